@@ -1,0 +1,1 @@
+"""Op sets that run the model's matrix products; `cpu` is numpy and the numerics reference."""

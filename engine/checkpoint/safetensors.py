@@ -1,0 +1,196 @@
+"""Lazy, defensive reading of safetensors files (single or sharded).
+
+Layout of a safetensors file: 8 bytes little-endian header length N, N bytes of JSON
+{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the data
+block; offsets are relative to the start of the data block. The file is memory-mapped and a
+tensor's bytes are only touched when it is read, so unused tensors (a vision tower) cost nothing.
+Every offset, shape and dtype is checked against the file before anything is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.errors import CheckpointError
+
+# safetensors dtype -> (numpy dtype of the stored bits, bytes per element)
+DTYPES = {
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),  # raw bits; widened to fp32 by bf16_to_f32
+    "F64": np.dtype("<f8"),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "U16": np.dtype("<u2"),
+    "U32": np.dtype("<u4"),
+    "BOOL": np.dtype("?"),
+}
+FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 is the top half of an fp32: shift the 16 stored bits into place."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+class SafetensorsFile:
+    """One .safetensors file: parsed header, data mapped on first read."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.tensors, self.metadata = parse_header(self.path)
+        self._map: mmap.mmap | None = None
+
+    def _mapped(self) -> mmap.mmap:
+        if self._map is None:
+            with open(self.path, "rb") as handle:
+                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._map
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored array, zero-copy over the mapping (bf16 as uint16 bits)."""
+        info = self.tensors[name]
+        count = math.prod(info.shape)
+        array = np.frombuffer(self._mapped(), dtype=DTYPES[info.dtype], count=count, offset=info.begin)
+        return array.reshape(info.shape)
+
+    def read_f32(self, name: str) -> np.ndarray:
+        """A float tensor as a new fp32 array (the mapping is not kept alive by it)."""
+        info = self.tensors[name]
+        if info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(self.path, f"tensor {name} is {info.dtype}, expected a float type")
+        stored = self.raw(name)
+        if info.dtype == "BF16":
+            return bf16_to_f32(stored)
+        return stored.astype(np.float32)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+def parse_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(path, "file is truncated before its header; re-download it")
+            header_len = int.from_bytes(prefix, "little")
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError(path, "header length runs past the end of the file; the file is truncated or not safetensors")
+            header_bytes = handle.read(header_len)
+    except OSError as exc:
+        raise CheckpointError(path, f"cannot read the file ({exc.strerror})") from None
+    try:
+        header = json.loads(header_bytes)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(path, "header is not valid JSON; the file is corrupt, re-download it") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(path, "header is not a JSON object; the file is corrupt, re-download it")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + header_len
+    tensors = {name: _tensor_info(path, name, entry, data_start, size) for name, entry in header.items()}
+    return tensors, {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
+
+
+def _tensor_info(path: Path, name: str, entry, data_start: int, size: int) -> TensorInfo:
+    def bad(problem: str) -> CheckpointError:
+        return CheckpointError(path, f"tensor {name}: {problem}; the file is corrupt, re-download it")
+
+    if not isinstance(entry, dict):
+        raise bad("header entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise CheckpointError(path, f"tensor {name}: dtype {dtype!r} is not supported")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise bad(f"invalid shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise bad(f"invalid data_offsets {offsets!r}")
+    begin, end = offsets
+    if end - begin != math.prod(shape) * DTYPES[dtype].itemsize or begin < 0:
+        raise bad(f"data_offsets {offsets} do not match shape {shape} of {dtype}")
+    if data_start + end > size:
+        raise CheckpointError(path, f"tensor {name} ends past the end of the file: the file is truncated, re-download it")
+    return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+class SafetensorsCheckpoint:
+    """All tensors of a model folder: `model.safetensors` or the shards of its index."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = Path(model_dir)
+        self.files: list[SafetensorsFile] = [SafetensorsFile(p) for p in _shard_paths(self.model_dir)]
+        self._where: dict[str, SafetensorsFile] = {}
+        for file in self.files:
+            for name in file.tensors:
+                self._where[name] = file
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def info(self, name: str) -> TensorInfo:
+        return self._where[name].tensors[name]
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name].path
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def read_f32(self, name: str) -> np.ndarray:
+        return self._where[name].read_f32(name)
+
+    def close(self) -> None:
+        for file in self.files:
+            file.close()
+
+
+def _shard_paths(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shard_names = sorted(set(weight_map.values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(index, "index is not valid JSON with a weight_map; re-download the model") from None
+        paths = []
+        for shard in shard_names:
+            path = (model_dir / str(shard)).resolve()
+            if model_dir.resolve() not in path.parents:
+                raise CheckpointError(index, f"shard {shard!r} points outside the model folder; refusing to read it")
+            if not path.exists():
+                raise CheckpointError(path, "shard listed in model.safetensors.index.json is missing; re-download the model")
+            paths.append(path)
+        return paths
+    if single.exists():
+        return [single]
+    loose = sorted(model_dir.glob("*.safetensors"))
+    if loose:
+        return loose
+    raise CheckpointError(model_dir, "no model.safetensors or model.safetensors.index.json here; point --model at a model folder")

@@ -1,0 +1,331 @@
+"""The Qwen3.5-family hybrid forward pass in numpy, fp32 throughout.
+
+Three of every four layers are gated DeltaNet (linear attention with a recurrent state), every
+fourth is gated full attention; the feed-forward is a dense SwiGLU MLP or routed experts plus a
+gated shared expert. `Model.forward` runs T new tokens of one sequence and advances its state, so
+prefill and token-by-token decode are the same call. Math: REFERENCE.md section 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.cache import DeltaNetState, KVCache, SequenceState
+from engine.config import FULL_ATTENTION, ModelConfig
+
+CHUNK = 64  # DeltaNet prefill chunk length, as transformers' torch_chunk_gated_delta_rule
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last axis. Zero-centred norms pass 1 + w."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x)
+
+
+def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Gated full attention
+
+
+@dataclass
+class Attention:
+    q_proj: object  # Linear [heads * 2 * head_dim, H], per head [query | gate]
+    k_proj: object
+    v_proj: object
+    o_proj: object
+    q_norm: np.ndarray  # 1 + w, [head_dim]
+    k_norm: np.ndarray
+    config: ModelConfig
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config.num_key_value_heads, self.config.head_dim)
+
+    def __call__(self, x: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
+        c = self.config
+        T, heads, kv_heads, hd = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q_and_gate = self.q_proj(x).reshape(T, heads, 2 * hd)
+        q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(T, heads * hd)
+        q = rms_norm(q, self.q_norm, c.rms_norm_eps)
+        k = rms_norm(self.k_proj(x).reshape(T, kv_heads, hd), self.k_norm, c.rms_norm_eps)
+        v = self.v_proj(x).reshape(T, kv_heads, hd)
+        cos, sin = rope_tables(np.arange(start, start + T), c.rotary_dim, c.rope_theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        past = cache.length
+        keys, values = cache.append(k.transpose(1, 0, 2), v.transpose(1, 0, 2))  # [kv, past + T, hd]
+        out = attend(q, keys, values, past)  # [T, heads * hd]
+        return self.o_proj(out * sigmoid(gate))
+
+
+def rope_tables(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [T, rotary_dim / 2], inv_freq = theta^(-2i / rotary_dim)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim)
+    angles = positions[:, None].astype(np.float32) * inv_freq[None, :]
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """NeoX rotate-half on the first rotary_dim dims of each head: pairs (j, j + rotary_dim / 2)."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, past: int) -> np.ndarray:
+    """Causal GQA: q [T, heads, hd], keys/values [kv, past + T, hd] -> [T, heads * hd].
+
+    Query head h reads KV head h // (heads / kv).
+    """
+    T, heads, hd = q.shape
+    kv, L = keys.shape[0], keys.shape[1]
+    group = heads // kv
+    qg = q.transpose(1, 0, 2).reshape(kv, group * T, hd)  # rows ordered (head in group, t)
+    scores = (qg @ keys.transpose(0, 2, 1)) * hd**-0.5  # [kv, group * T, L]
+    scores = scores.reshape(kv, group, T, L)
+    future = np.arange(L)[None, :] > (past + np.arange(T))[:, None]  # [T, L]
+    scores = np.where(future, -np.inf, scores)
+    probs = softmax(scores, axis=-1).reshape(kv, group * T, L)
+    out = (probs @ values).reshape(heads, T, hd)
+    return out.transpose(1, 0, 2).reshape(T, heads * hd)
+
+
+# --------------------------------------------------------------------------------------------
+# Gated DeltaNet
+
+
+@dataclass
+class DeltaNet:
+    in_qkv: object  # Linear [2 * Hk * dk + Hv * dv, H]: q | k | v, heads contiguous
+    in_z: object  # [Hv * dv, H]
+    in_b: object  # [Hv, H]
+    in_a: object  # [Hv, H]
+    conv: np.ndarray  # depthwise taps [channels, kernel], oldest input first
+    decay_rate: np.ndarray  # -exp(A_log), [Hv]
+    dt_bias: np.ndarray  # [Hv]
+    norm: np.ndarray  # plain weight of the gated norm, [dv]
+    out_proj: object  # [H, Hv * dv]
+    config: ModelConfig
+
+    def new_cache(self) -> DeltaNetState:
+        c = self.config
+        return DeltaNetState(self.conv.shape[0], self.conv.shape[1], c.linear_num_value_heads,
+                             c.linear_key_head_dim, c.linear_value_head_dim)
+
+    def __call__(self, x: np.ndarray, state: DeltaNetState, start: int) -> np.ndarray:
+        c = self.config
+        T = x.shape[0]
+        hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        mixed = causal_conv(self.in_qkv(x), self.conv, state)
+        q = mixed[:, : hk * dk].reshape(T, hk, dk)
+        k = mixed[:, hk * dk : 2 * hk * dk].reshape(T, hk, dk)
+        v = mixed[:, 2 * hk * dk :].reshape(T, hv, dv)
+        beta = sigmoid(self.in_b(x))  # [T, Hv]
+        log_decay = self.decay_rate * softplus(self.in_a(x) + self.dt_bias)  # g <= 0, [T, Hv]
+        # Value head h reads key head h // (Hv / Hk): repeat each key head, not tile.
+        q = np.repeat(l2_normalize(q), hv // hk, axis=1) * dk**-0.5
+        k = np.repeat(l2_normalize(k), hv // hk, axis=1)
+        if T == 1:
+            out = delta_rule_step(q[0], k[0], v[0], beta[0], log_decay[0], state)[None]
+        else:
+            out = delta_rule_chunked(q, k, v, beta, log_decay, state)
+        z = self.in_z(x).reshape(T, hv, dv)
+        out = rms_norm(out, self.norm, c.rms_norm_eps) * silu(z)
+        return self.out_proj(out.reshape(T, hv * dv))
+
+
+def causal_conv(mixed: np.ndarray, taps: np.ndarray, state: DeltaNetState) -> np.ndarray:
+    """Depthwise causal conv over time then SiLU; mixed [T, C], taps [C, K]. Updates state.conv."""
+    T, K = mixed.shape[0], taps.shape[1]
+    window = np.concatenate([state.conv, mixed], axis=0)  # [K - 1 + T, C]
+    out = np.zeros_like(mixed)
+    for j in range(K):
+        out += window[j : j + T] * taps[:, j]
+    state.conv = window[T:].copy()
+    return silu(out)
+
+
+def delta_rule_step(q, k, v, beta, log_decay, state: DeltaNetState) -> np.ndarray:
+    """One token: S = e^g S; u = beta (v - S^T k); S += k u^T; o = S^T q. q,k [Hv,dk], v [Hv,dv]."""
+    S = state.recurrent * np.exp(log_decay)[:, None, None]
+    predicted = np.einsum("hkv,hk->hv", S, k)
+    update = (v - predicted) * beta[:, None]
+    S = S + k[:, :, None] * update[:, None, :]
+    state.recurrent = S
+    return np.einsum("hkv,hk->hv", S, q)
+
+
+def delta_rule_chunked(q, k, v, beta, log_decay, state: DeltaNetState) -> np.ndarray:
+    """The same recurrence over T tokens, CHUNK at a time (WY form inside a chunk).
+
+    q, k [T, Hv, dk]; v [T, Hv, dv]; beta, log_decay [T, Hv]. Returns [T, Hv, dv].
+    Inside a chunk with cumulative log-decay G_i, the delta-rule updates collapse to one lower
+    triangular system (I + L) U = [beta V | beta K e^G], L_ij = beta_i k_i.k_j e^(G_i - G_j), j < i;
+    across chunks the state is carried exactly as the one-token rule carries it.
+    """
+    T, hv, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-T) % CHUNK
+    n = (T + pad) // CHUNK
+
+    def chunks(a):  # [T, Hv, ...] -> [Hv, n, CHUNK, ...]
+        a = np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        return np.moveaxis(a.reshape(n, CHUNK, hv, *a.shape[2:]), 2, 0)
+
+    q, k, v, beta, g = chunks(q), chunks(k), chunks(v), chunks(beta), chunks(log_decay)
+    G = np.cumsum(g, axis=-1)  # [Hv, n, C]
+    lower = np.tril(np.ones((CHUNK, CHUNK), bool))
+    pair_decay = np.exp(np.where(lower, G[..., :, None] - G[..., None, :], -np.inf))  # [Hv, n, C, C]
+    k_beta = k * beta[..., None]
+    L = (k_beta @ np.swapaxes(k, -1, -2)) * pair_decay
+    rhs = np.concatenate([v * beta[..., None], k_beta * np.exp(G)[..., None]], axis=-1)
+    solved = solve_unit_lower(L, rhs)
+    new_values, k_cum = solved[..., :dv], solved[..., dv:]
+    intra = (q @ np.swapaxes(k, -1, -2)) * pair_decay  # causal q.k within the chunk
+    q_decayed = q * np.exp(G)[..., None]
+    k_to_end = k * np.exp(G[..., -1:] - G)[..., None]
+    chunk_decay = np.exp(G[..., -1])  # [Hv, n]
+
+    S = state.recurrent
+    out = np.empty((hv, n, CHUNK, dv), np.float32)
+    for i in range(n):
+        v_new = new_values[:, i] - k_cum[:, i] @ S  # [Hv, C, dv]
+        out[:, i] = q_decayed[:, i] @ S + intra[:, i] @ v_new
+        S = S * chunk_decay[:, i, None, None] + np.swapaxes(k_to_end[:, i], -1, -2) @ v_new
+    state.recurrent = S
+    return np.moveaxis(out, 0, 2).reshape(n * CHUNK, hv, dv)[:T]
+
+
+def solve_unit_lower(L: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """Solve (I + strict_lower(L)) X = rhs by forward substitution, batched over leading axes."""
+    X = np.empty_like(rhs)
+    X[..., 0, :] = rhs[..., 0, :]
+    for i in range(1, L.shape[-1]):
+        X[..., i, :] = rhs[..., i, :] - (L[..., i : i + 1, :i] @ X[..., :i, :])[..., 0, :]
+    return X
+
+
+# --------------------------------------------------------------------------------------------
+# Feed-forward
+
+
+@dataclass
+class MLP:
+    gate_up: object  # Linear [2 * I, H]: gate rows then up rows
+    down: object  # [H, I]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        gate, up = np.split(self.gate_up(x), 2, axis=-1)
+        return self.down(silu(gate) * up)
+
+
+@dataclass
+class MoE:
+    router: np.ndarray  # [E, H]
+    experts: list  # MLP per expert
+    shared: MLP
+    shared_gate: np.ndarray  # [1, H]
+    top_k: int
+    normalize: bool
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        probs = softmax(x @ self.router.T, axis=-1)  # [T, E]
+        chosen = np.argsort(-probs, axis=-1, kind="stable")[:, : self.top_k]  # [T, k]
+        weights = np.take_along_axis(probs, chosen, axis=-1)
+        if self.normalize:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        out = sigmoid(x @ self.shared_gate.T) * self.shared(x)
+        for expert in np.unique(chosen):
+            rows, slot = np.nonzero(chosen == expert)
+            out[rows] += self.experts[expert](x[rows]) * weights[rows, slot][:, None]
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Decoder layer, model, MTP head
+
+
+@dataclass
+class DecoderLayer:
+    mixer: Attention | DeltaNet
+    ffn: MLP | MoE
+    input_norm: np.ndarray  # 1 + w
+    post_norm: np.ndarray
+    eps: float
+
+    def __call__(self, x: np.ndarray, cache, start: int) -> np.ndarray:
+        x = x + self.mixer(rms_norm(x, self.input_norm, self.eps), cache, start)
+        return x + self.ffn(rms_norm(x, self.post_norm, self.eps))
+
+
+@dataclass
+class MTPHead:
+    """Multi-token prediction: from h_t (post-norm) and x_{t+1}, logits for x_{t+2}."""
+
+    fc: object  # Linear [H, 2H] over [norm_e(embed(x_{t+1})) ; norm_h(h_t)]
+    norm_embedding: np.ndarray
+    norm_hidden: np.ndarray
+    layer: DecoderLayer  # one full-attention layer with its own KV cache
+    norm: np.ndarray
+
+
+class Model:
+    def __init__(self, config: ModelConfig, embed: np.ndarray, layers: list[DecoderLayer], norm: np.ndarray,
+                 lm_head, mtp: MTPHead | None = None):
+        self.config = config
+        self.embed = embed  # [V, H] fp32
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head  # Linear [V, H]
+        self.mtp = mtp
+
+    def new_state(self) -> SequenceState:
+        return SequenceState([layer.mixer.new_cache() for layer in self.layers])
+
+    def forward(self, state: SequenceState, tokens) -> np.ndarray:
+        """Run T new tokens; returns the post-final-norm hidden states [T, H] and advances state."""
+        x = self.embed[np.asarray(tokens, dtype=np.int64)]
+        for layer, cache in zip(self.layers, state.layers):
+            x = layer(x, cache, state.length)
+        state.length += len(tokens)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return self.lm_head(hidden)
+
+    def new_mtp_state(self) -> SequenceState:
+        return SequenceState([self.mtp.layer.mixer.new_cache()])
+
+    def mtp_forward(self, state: SequenceState, next_tokens, hidden: np.ndarray) -> np.ndarray:
+        """MTP over rows t: next_tokens[t] = x_{t+1}, hidden[t] = h_t. Returns the MTP hidden states.
+
+        The MTP layer sees x_{t+1} at position t + 1; state.length counts the rows it has seen, so
+        the first row of a sequence sits at position 1.
+        """
+        head, eps = self.mtp, self.config.rms_norm_eps
+        e = rms_norm(self.embed[np.asarray(next_tokens, dtype=np.int64)], head.norm_embedding, eps)
+        h = rms_norm(hidden, head.norm_hidden, eps)
+        x = head.fc(np.concatenate([e, h], axis=-1))
+        x = head.layer(x, state.layers[0], state.length + 1)
+        state.length += len(next_tokens)
+        return rms_norm(x, head.norm, eps)
