@@ -1,0 +1,88 @@
+"""`duet` command line: argument parsing and dispatch.
+
+    duet [--model M]                      the chat UI
+    duet --headless PROMPT [options]      one prompt, text to stdout, stats to stderr
+    duet bench decode --model DIR         benchmarks
+
+User errors (DuetError, bad arguments) print one line on stderr and exit 2; Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.errors import DuetError
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+SUBCOMMANDS = ("bench",)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line that points at --help."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv and argv[0] in SUBCOMMANDS:
+            return _run_subcommand(argv)
+        return _run_main(argv)
+    except DuetError as error:
+        print(f"duet: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def _run_main(argv: list[str]) -> int:
+    args = main_parser().parse_args(argv)
+    if args.headless is None:
+        raise DuetError("the chat UI is not in this build yet; run duet --headless PROMPT")
+    from app.headless import run_headless
+
+    return run_headless(args)
+
+
+def _run_subcommand(argv: list[str]) -> int:
+    parser = OneLineParser(prog="duet")
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side")
+    from app.bench import add_bench_commands
+
+    add_bench_commands(bench)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def main_parser() -> OneLineParser:
+    parser = OneLineParser(
+        prog="duet",
+        description="Chat with Qwen3.5-family models. Without --headless, opens the chat UI.",
+        epilog="Also: duet bench decode --model DIR",
+    )
+    parser.add_argument("--model", help="model folder (default: the bundled demo model)")
+    parser.add_argument("--route", choices=["auto", "bf16"], default="auto",
+                        help="kernel route; auto picks the checkpoint's natural one")
+    parser.add_argument("--headless", metavar="PROMPT", help="answer one prompt without the UI and exit")
+    parser.add_argument("--raw", action="store_true", help="tokenize the prompt as is, no chat template")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout at the end")
+    parser.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
+    parser.add_argument("--context", type=int, help="token budget for prompt + reply (default: the model's)")
+    sampling = parser.add_argument_group("sampling (default: greedy)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    sampling.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1: off)")
+    sampling.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top one")
+    sampling.add_argument("--repetition-penalty", type=float, default=1.0)
+    sampling.add_argument("--presence-penalty", type=float, default=0.0)
+    sampling.add_argument("--seed", type=int, help="seed for sampling (reproducible runs)")
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

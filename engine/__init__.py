@@ -1,0 +1,26 @@
+"""duet's inference engine: a library with no UI imports.
+
+    lm = load_model("models/demo", progress=print)
+    ids = lm.tokenizer.encode(lm.tokenizer.render_chat([{"role": "user", "content": "Hi"}]))
+    for event in generate(lm, ids, GenerateOptions(max_tokens=64)):
+        ...
+"""
+
+from engine.errors import CheckpointError, DuetError
+from engine.generate import Finished, GenerateOptions, Stats, Tokens, generate
+from engine.loader import LoadedModel, LoadProgress, load_model
+from engine.sampling import SamplingParams
+
+__all__ = [
+    "CheckpointError",
+    "DuetError",
+    "Finished",
+    "GenerateOptions",
+    "LoadProgress",
+    "LoadedModel",
+    "SamplingParams",
+    "Stats",
+    "Tokens",
+    "generate",
+    "load_model",
+]

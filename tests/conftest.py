@@ -1,0 +1,134 @@
+"""Shared factories: tiny random checkpoints written by transformers itself, and a small tokenizer.
+
+Every checkpoint here is produced by the reference implementation (transformers, torch CPU) with
+`save_pretrained`, so tests read exactly the files a user would download.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TINY_VOCAB = 320  # byte-level BPE needs 256 bytes + merges + specials
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def tiny_text_config(**overrides) -> dict:
+    """A 5-layer hybrid: DeltaNet x3, attention, DeltaNet; Hv > Hk so heads repeat-interleave."""
+    config = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    config.update(overrides)
+    return config
+
+
+def moe_fields(**overrides) -> dict:
+    fields = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    fields.update(overrides)
+    return fields
+
+
+def randomize(model, seed: int) -> None:
+    """Weights large enough that logits spread out (the default init makes every logit ~0)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(0.0, 2.5, generator=gen))
+            elif "norm" in name:
+                param.copy_(torch.empty(param.shape).uniform_(-0.4, 0.4, generator=gen))
+            else:
+                fan_in = param.shape[-1] if param.ndim > 1 else 1
+                param.copy_(torch.randn(param.shape, generator=gen) * (1.2 / fan_in**0.5))
+
+
+def build_reference(kind: str, tie: bool = False, seed: int = 0, **overrides):
+    """A random transformers model of `kind`: qwen3_5_text, qwen3_5, qwen3_5_moe_text, qwen3_next."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    text = tiny_text_config(tie_word_embeddings=tie, **overrides)
+    if kind == "qwen3_5_text":
+        model = tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**text))
+    elif kind == "qwen3_5":
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"])
+        model = tf.Qwen3_5ForConditionalGeneration(
+            tf.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie))
+    elif kind == "qwen3_5_moe_text":
+        model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**text, **moe_fields()))
+    elif kind == "qwen3_next":
+        model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**text, **moe_fields(), decoder_sparse_step=1,
+                                                            mlp_only_layers=[1], norm_topk_prob=True))
+    else:
+        raise ValueError(kind)
+    randomize(model, seed)
+    return model.eval()
+
+
+def split_fused_experts(model_dir: Path) -> None:
+    """Rewrite fused `experts.gate_up_proj`/`down_proj` as per-expert tensors, as hub checkpoints store them."""
+    from safetensors.numpy import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    out = {}
+    for name, value in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            base, inner = name[: -len("gate_up_proj")], value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = np.ascontiguousarray(value[e, :inner])
+                out[f"{base}{e}.up_proj.weight"] = np.ascontiguousarray(value[e, inner:])
+        elif name.endswith("experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(value.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = np.ascontiguousarray(value[e])
+        else:
+            out[name] = value
+    save_file(out, path, metadata={"format": "pt"})
+
+
+def write_tokenizer(model_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
+    """A byte-level BPE tokenizer trained on a little generated English, with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    words = "the quick brown fox jumps over lazy dog and then runs far away from home in light".split()
+    rng = np.random.default_rng(0)
+    lines = [" ".join(rng.choice(words, 12)) for _ in range(400)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(lines, trainer)
+    tok.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }))
+
+
+def save_reference(model, model_dir: Path, with_tokenizer: bool = True) -> Path:
+    model.save_pretrained(model_dir)
+    if with_tokenizer:
+        write_tokenizer(model_dir)
+    return model_dir
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path) -> Path:
+    """A complete tiny qwen3_5_text folder (weights, config, tokenizer): what the CLI loads."""
+    return save_reference(build_reference("qwen3_5_text"), tmp_path / "tiny")
