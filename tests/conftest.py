@@ -56,7 +56,7 @@ def randomize(model, seed: int) -> None:
 
 
 def build_reference(kind: str, tie: bool = False, seed: int = 0, **overrides):
-    """A random transformers model of `kind`: qwen3_5_text, qwen3_5, qwen3_5_moe_text, qwen3_next."""
+    """A random transformers model of `kind`: qwen3_5_text, qwen3_5, qwen3_5_moe_text, qwen3_5_moe, qwen3_next."""
     import torch
     import transformers as tf
 
@@ -68,6 +68,10 @@ def build_reference(kind: str, tie: bool = False, seed: int = 0, **overrides):
         vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"])
         model = tf.Qwen3_5ForConditionalGeneration(
             tf.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=tie))
+    elif kind == "qwen3_5_moe":
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"])
+        model = tf.Qwen3_5MoeForConditionalGeneration(
+            tf.Qwen3_5MoeConfig(text_config={**text, **moe_fields()}, vision_config=vision, tie_word_embeddings=tie))
     elif kind == "qwen3_5_moe_text":
         model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**text, **moe_fields()))
     elif kind == "qwen3_next":

@@ -23,6 +23,7 @@ CASES = [
     ("qwen3_5", False, False),  # multimodal: text_config nested, vision tower present but unread
     ("qwen3_5_moe_text", False, False),  # fused experts
     ("qwen3_5_moe_text", True, True),  # per-expert tensors, tied
+    ("qwen3_5_moe", False, True),  # multimodal MoE
     ("qwen3_next", False, True),  # fused in_proj_qkvz / in_proj_ba, per-expert, a dense layer
 ]
 

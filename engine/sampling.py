@@ -1,0 +1,161 @@
+"""Logit processors and a seeded sampler.
+
+Processors run in the order transformers' `generate` runs them: repetition penalty, presence
+penalty, temperature, top-k, top-p, min-p. Removed tokens get -inf. A verify pass has one row per
+draft position, and row i counts the drafts before it as generated (`process_rows`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+import numpy as np
+
+from engine.errors import DuetError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 is greedy: penalties apply, the warpers after them do not
+    top_k: int = 0  # 0 is off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t, k, p, m = self.temperature, self.top_k, self.top_p, self.min_p
+        _require(_finite(t) and t >= 0, f"temperature must be 0 (greedy) or more, got {t}")
+        _require(_whole(k) and k >= 0, f"top_k must be a whole number, 0 for off, got {k}")
+        _require(_finite(p) and 0 < p <= 1, f"top_p must be above 0 and at most 1, got {p}")
+        _require(_finite(m) and 0 <= m <= 1, f"min_p must be between 0 and 1, got {m}")
+        penalty = self.repetition_penalty
+        _require(_finite(penalty) and penalty > 0, f"repetition_penalty must be above 0 (1 is off), got {penalty}")
+        presence = self.presence_penalty
+        _require(_finite(presence), f"presence_penalty must be a finite number, got {presence}")
+        seed = self.seed
+        _require(seed is None or (_whole(seed) and seed >= 0), f"seed must be a whole number >= 0, got {seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def process_logits(logits: np.ndarray, params: SamplingParams, previous_ids: Sequence[int]) -> np.ndarray:
+    """Processed logits, (V,) or (rows, V) with every row counting previous_ids as generated."""
+    seen = _seen_mask(logits.shape[-1], previous_ids)
+    return _process(logits, params, np.broadcast_to(seen, logits.shape))
+
+
+def process_rows(
+    logits_rows: np.ndarray, params: SamplingParams, previous_ids: Sequence[int], drafts: Sequence[int]
+) -> np.ndarray:
+    """Processed verify rows (rows, V): row i counts previous_ids and drafts[:i] as generated."""
+    rows, vocab = logits_rows.shape
+    seen = np.tile(_seen_mask(vocab, previous_ids), (rows, 1))
+    for i, draft in enumerate(drafts[: rows - 1]):
+        seen[i + 1 :, draft] = True
+    return _process(logits_rows, params, seen)
+
+
+def probabilities(processed_logits: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, computed in float64, returned as float32."""
+    return _softmax64(processed_logits).astype(np.float32)
+
+
+class Sampler:
+    """Picks the next token: argmax when greedy, else a draw from the processed distribution."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.Generator(np.random.PCG64(params.seed))
+
+    def pick(self, logits: np.ndarray, previous_ids: Sequence[int]) -> int:
+        processed = process_logits(logits, self.params, previous_ids)
+        if self.params.greedy:
+            return int(np.argmax(processed))
+        return self.draw(_softmax64(processed))
+
+    def draw(self, probs: np.ndarray) -> int:
+        """One token drawn from probs (V,), which need not be normalised."""
+        cdf = np.cumsum(probs, dtype=np.float64)
+        cdf /= cdf[-1]  # now cdf[-1] == 1.0 exactly, so a uniform draw in [0, 1) always lands on a token
+        return int(np.searchsorted(cdf, self.rng.random(), side="right"))
+
+
+def _process(logits: np.ndarray, params: SamplingParams, seen: np.ndarray) -> np.ndarray:
+    processed = _apply_penalties(logits.astype(np.float32), params, seen)
+    if params.greedy:
+        return processed
+    processed = processed / np.float32(params.temperature)
+    if params.top_k:
+        processed = _top_k(processed, params.top_k)
+    if params.top_p < 1:
+        processed = _top_p(processed, params.top_p)
+    if params.min_p > 0:
+        processed = _min_p(processed, params.min_p)
+    return processed
+
+
+def _seen_mask(vocab: int, ids: Sequence[int]) -> np.ndarray:
+    seen = np.zeros(vocab, dtype=bool)
+    seen[np.asarray(ids, dtype=np.int64)] = True
+    return seen
+
+
+def _apply_penalties(logits: np.ndarray, params: SamplingParams, seen: np.ndarray) -> np.ndarray:
+    """Penalise each token already generated once, however many times it occurred."""
+    if params.repetition_penalty != 1:
+        penalty = np.float32(params.repetition_penalty)
+        logits = np.where(seen, np.where(logits > 0, logits / penalty, logits * penalty), logits)
+    if params.presence_penalty != 0:
+        logits = np.where(seen, logits - np.float32(params.presence_penalty), logits)
+    return logits
+
+
+def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
+    """Keep the k largest logits, and any tied with the k-th."""
+    vocab = logits.shape[-1]
+    if k >= vocab:
+        return logits
+    kth_largest = np.partition(logits, vocab - k, axis=-1)[..., vocab - k, None]
+    return np.where(logits < kth_largest, -np.inf, logits)
+
+
+def _top_p(logits: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the most likely tokens until their mass reaches top_p: a token stays while those above it hold less."""
+    order = np.argsort(-logits, axis=-1, kind="stable")  # most likely first
+    sorted_probs = np.take_along_axis(_softmax64(logits), order, axis=-1)
+    mass_above = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+    drop = np.empty(logits.shape, dtype=bool)
+    np.put_along_axis(drop, order, mass_above >= top_p, axis=-1)
+    return np.where(drop, -np.inf, logits)
+
+
+def _min_p(logits: np.ndarray, min_p: float) -> np.ndarray:
+    """Drop tokens less likely than min_p times the most likely one."""
+    probs = _softmax64(logits)
+    return np.where(probs < min_p * probs.max(axis=-1, keepdims=True), -np.inf, logits)
+
+
+def _softmax64(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    weights = np.exp(shifted)
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+def _require(condition: bool, problem: str) -> None:
+    if not condition:
+        raise DuetError(f"invalid sampling setting: {problem}")
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)

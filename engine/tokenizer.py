@@ -1,0 +1,307 @@
+"""Tokenizer: `tokenizers` for text <-> ids, and the model's chat template rendered in jinja2's sandbox.
+
+Chat templates come from downloaded repos, so they are untrusted code. They render in an
+ImmutableSandboxedEnvironment that offers what transformers offers templates (the same globals,
+filters, extensions and whitespace settings), so a template renders here as `apply_chat_template`
+renders it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+import jinja2.utils
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as TokenizersBackend
+
+from engine.errors import CheckpointError, DuetError
+
+# The named special tokens transformers hands every chat template (its `special_tokens_map`).
+NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# What a byte-level decoder writes for bytes that do not (yet) form a whole UTF-8 character.
+REPLACEMENT_CHAR = "\ufffd"
+# Everything a template can raise while rendering: its own errors and Python errors from its expressions.
+TEMPLATE_FAILURES = (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError)
+RAW_HINT = "use --raw to send the prompt without a template"
+
+
+class Tokenizer:
+    """A model's tokenizer: encode/decode, its stop tokens, and its chat template."""
+
+    def __init__(
+        self,
+        backend: TokenizersBackend,
+        named_tokens: dict[str, str],
+        eos_ids: frozenset[int],
+        chat_template: str | None,
+        template_source: Path | None,
+    ):
+        self._backend = backend
+        self.named_tokens = named_tokens
+        self.eos_ids = eos_ids
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._chat_template = chat_template
+        self._template_source = template_source
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
+        """Read tokenizer.json, tokenizer_config.json and chat_template.jinja from a model folder."""
+        model_dir = Path(model_dir)
+        backend = _load_backend(model_dir / "tokenizer.json")
+        config_path = model_dir / "tokenizer_config.json"
+        config = _read_json_object(config_path) if config_path.exists() else {}
+        named_tokens = _named_tokens(config, config_path)
+        eos_ids = set(extra_eos_ids)
+        if "eos_token" in named_tokens:
+            eos_ids.add(_id_of(backend, named_tokens["eos_token"], config_path))
+        template, source = _find_chat_template(model_dir, config, config_path)
+        return cls(backend, named_tokens, frozenset(eos_ids), template, source)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.named_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.named_tokens.get("eos_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.named_tokens.get("pad_token")
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def encode(self, text: str) -> list[int]:
+        """Ids for text, adding no special tokens; special tokens written in the text map to their ids."""
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self.decode)
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = None,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The prompt text for a conversation, as the model's chat template writes it."""
+        if self._chat_template is None:
+            raise DuetError(f"this model has no chat template; {RAW_HINT}")
+        variables: dict[str, Any] = {
+            **self.named_tokens,
+            # Templates test for a missing key, not for None (OpenAI-style messages carry content=None).
+            "messages": [{k: v for k, v in m.items() if v is not None} for m in messages],
+            "tools": tools,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        if enable_thinking is not None:
+            variables["enable_thinking"] = enable_thinking
+        try:
+            return _compile_template(self._chat_template).render(**variables)
+        except TEMPLATE_FAILURES as error:
+            problem = " ".join(str(error).split()).rstrip(".") or type(error).__name__
+            raise DuetError(f"chat template in {self._template_source}: {problem}; {RAW_HINT}") from error
+
+
+class StreamDecoder:
+    """Turns ids arriving a few at a time into text, holding back a character split across tokens.
+
+    Only a short window is decoded each time: the ids of the last emitted piece (as context, since the
+    text of a token can depend on the one before it) and the ids not emitted yet.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self._window: list[int] = []
+        self._context = 0  # the first _context ids of the window were emitted already
+
+    def push(self, ids: Sequence[int]) -> str:
+        """The text completed by these ids; empty while the newest character is still incomplete."""
+        self._window.extend(ids)
+        context_text, text = self._decode_window()
+        if text.endswith(REPLACEMENT_CHAR) or len(text) <= len(context_text):
+            return ""
+        self._window = self._window[self._context :]
+        self._context = len(self._window)
+        return text[len(context_text) :]
+
+    def flush(self) -> str:
+        """Whatever is held back, incomplete characters included; the decoder starts over empty."""
+        context_text, text = self._decode_window()
+        self._window, self._context = [], 0
+        return text[len(context_text) :]
+
+    def _decode_window(self) -> tuple[str, str]:
+        return self._decode(self._window[: self._context]), self._decode(self._window)
+
+
+def _load_backend(path: Path) -> TokenizersBackend:
+    if not path.is_file():
+        raise CheckpointError(path, "file not found; download the model again or copy its tokenizer files in")
+    try:
+        return TokenizersBackend.from_file(str(path))
+    except Exception as error:  # the tokenizers library raises plain Exception for any bad file
+        problem = " ".join(str(error).split())
+        raise CheckpointError(path, f"not a valid tokenizers file ({problem}); download the model again") from error
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(path, f"cannot be read as JSON ({error}); download the model again") from error
+    if not isinstance(value, dict):
+        raise CheckpointError(path, "expected a JSON object at the top level; download the model again")
+    return value
+
+
+def _named_tokens(config: dict[str, Any], path: Path) -> dict[str, str]:
+    """The named special tokens that are set, as text; each is a string or an AddedToken dict."""
+    named = {}
+    for name in NAMED_TOKENS:
+        value = config.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            named[name] = value
+        elif value is not None:
+            problem = f'{name} must be a string or {{"content": ...}}; fix the file or download it again'
+            raise CheckpointError(path, problem)
+    return named
+
+
+def _id_of(backend: TokenizersBackend, token: str, path: Path) -> int:
+    token_id = backend.token_to_id(token)
+    if token_id is None:
+        raise CheckpointError(path, f"token {token!r} is not in tokenizer.json; download the model again")
+    return token_id
+
+
+def _find_chat_template(model_dir: Path, config: dict[str, Any], config_path: Path) -> tuple[str | None, Path | None]:
+    """chat_template.jinja if present, else tokenizer_config.json's chat_template (the "default" one of a list)."""
+    jinja_path = model_dir / "chat_template.jinja"
+    if jinja_path.is_file():
+        try:
+            return jinja_path.read_text(encoding="utf-8"), jinja_path
+        except (OSError, UnicodeDecodeError) as error:
+            raise CheckpointError(jinja_path, f"cannot be read ({error}); download the model again") from error
+    template = config.get("chat_template")
+    if template is None:
+        return None, None
+    if isinstance(template, str):
+        return template, config_path
+    if isinstance(template, list) and all(_is_named_template(entry) for entry in template):
+        default = next((entry["template"] for entry in template if entry["name"] == "default"), None)
+        return (default, config_path) if default is not None else (None, None)
+    raise CheckpointError(
+        config_path, "chat_template must be a string or a list of {name, template}; fix the file or download it again"
+    )
+
+
+def _is_named_template(entry: Any) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("name"), str) and isinstance(entry.get("template"), str)
+
+
+# ---- the template sandbox: what transformers gives chat templates, in a sandboxed environment ----
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    # Unlike jinja's own tojson, this does not HTML-escape, and it takes json.dumps' options.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _TemplateDict:
+    """`dict` for templates: builds dicts, without exposing the dict type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any) -> dict:
+        return dict.fromkeys(*args)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja's namespace, refusing underscore names so a template cannot reach Python internals through it."""
+
+    def __init__(*args: Any, **kwargs: Any):
+        # `self` comes out of args, as in jinja's Namespace, so `namespace(self=...)` stays a plain attribute.
+        self, rest = args[0], args[1:]
+        attributes = dict(*rest, **kwargs)
+        for name in attributes:
+            _refuse_private_name(name)
+        jinja2.utils.Namespace.__init__(self, attributes)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _refuse_private_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+
+def _refuse_private_name(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise SecurityError(f"namespace attribute {name!r} starts with an underscore")
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=_strftime_now,
+        dict=_TemplateDict(),
+        namespace=_TemplateNamespace,
+    )
+    return environment
+
+
+_ENVIRONMENT = _template_environment()
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    return _ENVIRONMENT.from_string(source)
