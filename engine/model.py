@@ -241,20 +241,20 @@ class MLP:
 
 @dataclass
 class MoE:
-    router: np.ndarray  # [E, H]
+    router: object  # Linear [E, H]
     experts: list  # MLP per expert
     shared: MLP
-    shared_gate: np.ndarray  # [1, H]
+    shared_gate: object  # Linear [1, H]
     top_k: int
     normalize: bool
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        probs = softmax(x @ self.router.T, axis=-1)  # [T, E]
+        probs = softmax(self.router(x), axis=-1)  # [T, E]
         chosen = np.argsort(-probs, axis=-1, kind="stable")[:, : self.top_k]  # [T, k]
         weights = np.take_along_axis(probs, chosen, axis=-1)
         if self.normalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
-        out = sigmoid(x @ self.shared_gate.T) * self.shared(x)
+        out = sigmoid(self.shared_gate(x)) * self.shared(x)
         for expert in np.unique(chosen):
             rows, slot = np.nonzero(chosen == expert)
             out[rows] += self.experts[expert](x[rows]) * weights[rows, slot][:, None]

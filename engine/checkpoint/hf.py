@@ -227,10 +227,10 @@ def _moe(c: ModelConfig, get, p: str, fused: bool) -> MoE:
     else:
         experts = [_mlp(get, f"{p}experts.{e}.") for e in range(c.num_experts)]
     return MoE(
-        router=get(p + "gate.weight"),
+        router=DenseLinear(get(p + "gate.weight")),
         experts=experts,
         shared=_mlp(get, p + "shared_expert."),
-        shared_gate=get(p + "shared_expert_gate.weight"),
+        shared_gate=DenseLinear(get(p + "shared_expert_gate.weight")),
         top_k=c.num_experts_per_tok,
         normalize=c.norm_topk_prob,
     )
