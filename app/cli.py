@@ -68,11 +68,17 @@ def main_parser() -> OneLineParser:
     parser.add_argument("--model", help="model folder (default: the bundled demo model)")
     parser.add_argument("--route", choices=["auto", "bf16"], default="auto",
                         help="kernel route; auto picks the checkpoint's natural one")
+    parser.add_argument("--accept", choices=["exact", "lossy"], default="exact",
+                        help="speculative acceptance: exact keeps the model's distribution, lossy keeps more drafts")
     parser.add_argument("--headless", metavar="PROMPT", help="answer one prompt without the UI and exit")
     parser.add_argument("--raw", action="store_true", help="tokenize the prompt as is, no chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout at the end")
     parser.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
     parser.add_argument("--context", type=int, help="token budget for prompt + reply (default: the model's)")
+    parser.add_argument("--draft", choices=["auto", "mtp", "ngram", "none"], default="auto",
+                        help="drafter: auto uses the MTP head when the checkpoint has one, else n-gram lookup")
+    parser.add_argument("--depth", default="auto",
+                        help="drafts per cycle: auto (adaptive) or a number up to 4 (MTP) / 7 (n-gram)")
     sampling = parser.add_argument_group("sampling (default: greedy)")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     sampling.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")

@@ -7,7 +7,7 @@ import json
 import sys
 
 from app.settings import bundled_demo_model
-from engine import Finished, GenerateOptions, LoadProgress, SamplingParams, Tokens, generate, load_model
+from engine import DuetError, Finished, GenerateOptions, LoadProgress, SamplingParams, Tokens, generate, load_model
 
 EXIT_INTERRUPTED = 130
 
@@ -17,7 +17,8 @@ def run_headless(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
     )
-    options = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, context=args.context)
+    options = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, context=args.context,
+                              draft=args.draft, depth=parse_depth(args.depth), accept=args.accept)
     bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
     lm = load_model(args.model or bundled_demo_model(), progress=bar)
     if bar:
@@ -49,7 +50,7 @@ def run_headless(args: argparse.Namespace) -> int:
             "finish_reason": finish,
             "model": lm.name,
             "route": lm.route,
-            "accept": "exact",
+            "accept": options.accept,
             "stats": stats.to_dict() if stats else None,
         }, ensure_ascii=False))
     else:
@@ -60,10 +61,19 @@ def run_headless(args: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if finish == "cancelled" else 0
 
 
+def parse_depth(value: str) -> int | None:
+    if value == "auto":
+        return None
+    if not value.isdigit():
+        raise DuetError(f"--depth takes auto or a whole number (got {value!r})")
+    return int(value)
+
+
 def summary_line(stats, finish: str) -> str:
     return (f"[{stats.prompt_tokens} prompt tokens at {stats.prefill_tok_s:.1f} tok/s · "
             f"{stats.generated_tokens} generated at {stats.decode_tok_s:.1f} tok/s · "
-            f"{stats.tokens_per_cycle:.2f} tokens/cycle · {finish}]")
+            f"{stats.tokens_per_cycle:.2f} tokens/cycle · "
+            f"{stats.accepted}/{stats.drafted} drafts kept ({stats.n_lossy} lossy) · {finish}]")
 
 
 class ProgressBar:

@@ -7,12 +7,13 @@
 """
 
 from engine.errors import CheckpointError, DuetError
-from engine.generate import Finished, GenerateOptions, Stats, Tokens, generate
+from engine.generate import Cycle, Finished, GenerateOptions, Stats, Switches, Tokens, generate
 from engine.loader import LoadedModel, LoadProgress, load_model
 from engine.sampling import SamplingParams
 
 __all__ = [
     "CheckpointError",
+    "Cycle",
     "DuetError",
     "Finished",
     "GenerateOptions",
@@ -20,6 +21,7 @@ __all__ = [
     "LoadedModel",
     "SamplingParams",
     "Stats",
+    "Switches",
     "Tokens",
     "generate",
     "load_model",

@@ -1,8 +1,12 @@
-"""Per-sequence state the model carries between calls.
+"""Per-sequence state the model carries between calls, and how a verify pass rolls it back.
 
 Full-attention layers keep a KV cache; DeltaNet layers keep the last (kernel - 1) conv inputs and
 the recurrent state S [Hv, dk, dv] in fp32. `length` is the number of tokens already processed,
 so the next token's position.
+
+A short call (a decode step or a speculative verify of 1 + k rows) keeps the DeltaNet state after
+every row, so `keep(n)` can make the state after row n current: the KV cache is cut back and the
+DeltaNet/conv state is the one the first n rows produced, exactly as if only they had been run.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ class KVCache:
         self.length = end
         return self.keys[:, :end], self.values[:, :end]
 
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
     def _grow(self, needed: int) -> None:
         capacity = max(needed, 2 * self.keys.shape[1])
         for name in ("keys", "values"):
@@ -43,6 +50,15 @@ class DeltaNetState:
     def __init__(self, channels: int, kernel: int, value_heads: int, key_dim: int, value_dim: int):
         self.conv = np.zeros((kernel - 1, channels), np.float32)
         self.recurrent = np.zeros((value_heads, key_dim, value_dim), np.float32)
+        # From the last row-by-row call: conv inputs [kernel - 1 + T, C] and S after each row.
+        self.window: np.ndarray | None = None
+        self.row_states: list[np.ndarray] = []
+
+    def keep(self, rows: int) -> None:
+        """Make the state after the first `rows` rows of the last call current."""
+        kernel_minus_1 = self.conv.shape[0]
+        self.conv = self.window[rows : rows + kernel_minus_1].copy()
+        self.recurrent = self.row_states[rows - 1]
 
 
 class SequenceState:
@@ -51,3 +67,21 @@ class SequenceState:
     def __init__(self, layers: list):
         self.layers = layers
         self.length = 0
+        self.length_before_last_call = 0
+
+    def keep(self, rows: int) -> None:
+        """Roll back the last (row-by-row) call to its first `rows` rows."""
+        end = self.length_before_last_call + rows
+        for cache in self.layers:
+            if isinstance(cache, KVCache):
+                cache.truncate(end)
+            else:
+                cache.keep(rows)
+        self.length = end
+
+    def rewind(self, length: int) -> None:
+        """Cut an attention-only state (the MTP head's) back to `length` tokens."""
+        assert all(isinstance(cache, KVCache) for cache in self.layers)
+        for cache in self.layers:
+            cache.truncate(length)
+        self.length = length

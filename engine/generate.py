@@ -1,8 +1,10 @@
-"""The generation loop: prefill the prompt, then one cycle per step, one event per cycle.
+"""The generation loop: prefill, then cycles of draft -> verify -> accept -> commit or roll back.
 
-A cycle commits the tokens the model produced in one pass over the weights; without a drafter that
-is one token. Each cycle yields a `Tokens` event carrying the new text and the running stats, and
-the loop ends with one `Finished` event.
+A cycle runs the last committed token plus k drafts as k + 1 rows through every layer in one
+call, keeps the rows the acceptance rule agrees with, rolls the state back to the last kept row,
+and commits the kept drafts plus one more token. Without drafts a cycle is one decode step.
+Each cycle yields a `Tokens` event (new text, this cycle's figures, running stats); the loop ends
+with one `Finished` event.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass, field
 
 from engine.errors import DuetError
 from engine.loader import LoadedModel
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import Sampler, SamplingParams, process_rows
+from engine.speculative import EXACT, Depth, accept, check_rule, make_drafter
 
 
 @dataclass(frozen=True)
@@ -22,12 +25,23 @@ class GenerateOptions:
     max_tokens: int = 512
     sampling: SamplingParams = field(default_factory=SamplingParams)
     context: int | None = None  # token budget for prompt + reply; None: the model's maximum
+    draft: str = "auto"  # auto (MTP when the checkpoint has it, else n-gram), mtp, ngram, none
+    depth: int | None = None  # drafts per cycle; None: adaptive
+    accept: str = EXACT  # exact or lossy; the starting value of Switches.accept
 
     def __post_init__(self):
         if self.max_tokens < 1:
             raise DuetError(f"max tokens must be at least 1 (got {self.max_tokens})")
         if self.context is not None and self.context < 2:
             raise DuetError(f"context must be at least 2 tokens (got {self.context})")
+        check_rule(self.accept)
+
+
+@dataclass
+class Switches:
+    """Settings the UI may flip while a reply streams; read at the start of every cycle."""
+
+    accept: str = EXACT
 
 
 @dataclass
@@ -39,8 +53,9 @@ class Stats:
     cycles: int = 0
     drafted: int = 0
     accepted: int = 0
-    accept_by_position: list[float] = field(default_factory=list)
     n_lossy: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # per draft position: how often drafted
+    accepted_at: list[int] = field(default_factory=list)  # ... and how often kept
 
     @property
     def prefill_tok_s(self) -> float:
@@ -54,11 +69,33 @@ class Stats:
 
     @property
     def tokens_per_cycle(self) -> float:
-        return self.generated_tokens / self.cycles if self.cycles else 0.0
+        """Committed tokens per verify pass (the first token comes from prefill, not a cycle)."""
+        return (self.generated_tokens - 1) / self.cycles if self.cycles else 0.0
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def accept_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def lossy_rate(self) -> float:
+        """Extra acceptances the lossy rule made, per draft: the drift it opened from the target."""
+        return self.n_lossy / self.drafted if self.drafted else 0.0
+
+    def record_cycle(self, drafted: int, accepted: int, lossy: int) -> None:
+        self.cycles += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.n_lossy += lossy
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
 
     def to_dict(self) -> dict:
         return {
@@ -71,9 +108,19 @@ class Stats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),
-            "accept_by_position": list(self.accept_by_position),
+            "accept_by_position": [round(a, 4) for a in self.accept_by_position],
             "n_lossy": self.n_lossy,
         }
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """One verify pass: how deep it drafted, how many drafts it kept, under which rule."""
+
+    drafted: int
+    accepted: int
+    lossy: int
+    rule: str
 
 
 @dataclass(frozen=True)
@@ -81,17 +128,24 @@ class Tokens:
     token_ids: list[int]
     text: str
     stats: Stats
+    cycle: Cycle | None = None  # None for the first token, which prefill produced
 
 
 @dataclass(frozen=True)
 class Finished:
     finish_reason: str  # "stop" (an eos id), "length" (max_tokens), "context" (budget full), "cancelled"
     stats: Stats
+    drafter: str = "none"
 
 
 def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
-             cancel: threading.Event | None = None) -> Iterator[Tokens | Finished]:
-    """Generate a reply to `prompt_ids`; stop on any eos id, max_tokens, the context budget or cancel."""
+             cancel: threading.Event | None = None, switches: Switches | None = None,
+             drafter=None) -> Iterator[Tokens | Finished]:
+    """Generate a reply to `prompt_ids`; stop on any eos id, max_tokens, the context budget or cancel.
+
+    `drafter` overrides options.draft with any object that has the interface of
+    engine.speculative.NoDrafter (name, depth_cap, start, propose, commit).
+    """
     budget = options.context or lm.config.max_position_embeddings
     if not prompt_ids:
         raise DuetError("the prompt is empty; give some text")
@@ -99,44 +153,72 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
         raise DuetError(f"the prompt is {len(prompt_ids)} tokens but the context budget is {budget}; "
                         "shorten the prompt or raise --context")
     model, sampler = lm.model, Sampler(options.sampling)
+    drafter = drafter or make_drafter(options.draft, model)
+    depth = Depth(drafter, options.depth)
+    switches = switches or Switches(options.accept)
     decoder = lm.tokenizer.stream_decoder()
     stats = Stats(prompt_tokens=len(prompt_ids))
     state = model.new_state()
+    history = list(prompt_ids)  # prompt + committed tokens, for n-gram lookup
     generated: list[int] = []
 
+    def emit(tokens: list[int], cycle: Cycle | None):
+        """Commit tokens up to a stop condition; returns (event, finish reason or None)."""
+        reason = None
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            reason = _finish_reason(token in lm.tokenizer.eos_ids, len(generated) + len(kept),
+                                    options.max_tokens, len(prompt_ids) + len(generated) + len(kept), budget)
+            if reason:
+                break
+        generated.extend(kept)
+        history.extend(kept)
+        stats.generated_tokens = len(generated)
+        text = decoder.push([t for t in kept if t not in lm.tokenizer.eos_ids])
+        if reason or (cancel is not None and cancel.is_set()):
+            text += decoder.flush()
+            reason = reason or "cancelled"
+        return Tokens(kept, text, stats, cycle), reason
+
     started = time.perf_counter()
-    logits = model.logits(model.forward(state, prompt_ids)[-1:])[0]
+    hidden = model.forward(state, prompt_ids)
+    first = sampler.pick(model.logits(hidden[-1:])[0], generated)
     stats.prefill_seconds = time.perf_counter() - started
+    event, reason = emit([first], None)
+    yield event
+    if reason:
+        yield Finished(reason, stats, drafter.name)
+        return
+    drafter.start(prompt_ids, hidden, first)
     decode_started = time.perf_counter()
     while True:
-        token = sampler.pick(logits, generated)
-        generated.append(token)
-        stats.generated_tokens += 1
-        stats.cycles += 1
+        rule = check_rule(switches.accept)
+        room = min(options.max_tokens - len(generated), budget - state.length - 1) - 1
+        draft = drafter.propose(history, max(0, min(depth.current, room)), sampler)
+        rows = [generated[-1]] + draft.tokens
+        hidden = model.forward(state, rows)  # one pass: every layer sees all k + 1 rows
+        target = process_rows(model.logits(hidden), options.sampling, generated, draft.tokens)
+        verdict = accept(rule, target, draft, sampler)
+        state.keep(verdict.accepted + 1)  # roll back past the last kept row
+        committed = draft.tokens[: verdict.accepted] + [verdict.next_token]
+        drafter.commit(committed, hidden[: verdict.accepted + 1])
+        depth.update(len(draft.tokens), verdict.accepted)
+        stats.record_cycle(len(draft.tokens), verdict.accepted, verdict.lossy)
+        event, reason = emit(committed, Cycle(len(draft.tokens), verdict.accepted, verdict.lossy, rule))
         stats.decode_seconds = time.perf_counter() - decode_started
-        stopped = token in lm.tokenizer.eos_ids
-        text = "" if stopped else decoder.push([token])
-        yield Tokens([token], text, stats)
-        reason = _finish_reason(stopped, len(generated), options.max_tokens, state.length + 1, budget, cancel)
+        yield event
         if reason:
-            tail = decoder.flush()
-            if tail:
-                yield Tokens([], tail, stats)
-            yield Finished(reason, stats)
+            yield Finished(reason, stats, drafter.name)
             return
-        if stats.generated_tokens == 1:
-            decode_started = time.perf_counter()
-        logits = model.logits(model.forward(state, [token]))[0]
 
 
-def _finish_reason(stopped: bool, produced: int, max_tokens: int, next_length: int, budget: int,
-                   cancel: threading.Event | None) -> str | None:
+def _finish_reason(stopped: bool, produced: int, max_tokens: int, total: int, budget: int) -> str | None:
     if stopped:
         return "stop"
-    if cancel is not None and cancel.is_set():
-        return "cancelled"
     if produced >= max_tokens:
         return "length"
-    if next_length >= budget:
+    if total >= budget:
         return "context"
     return None
+

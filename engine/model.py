@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.backend.cpu import ROWWISE_MAX
 from engine.cache import DeltaNetState, KVCache, SequenceState
 from engine.config import FULL_ATTENTION, ModelConfig
 
@@ -73,7 +74,12 @@ class Attention:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         past = cache.length
         keys, values = cache.append(k.transpose(1, 0, 2), v.transpose(1, 0, 2))  # [kv, past + T, hd]
-        out = attend(q, keys, values, past)  # [T, heads * hd]
+        if T <= ROWWISE_MAX:  # each row exactly as its own decode step would compute it
+            end = past + 1 + np.arange(T)
+            out = np.concatenate([attend(q[t : t + 1], keys[:, : end[t]], values[:, : end[t]], end[t] - 1)
+                                  for t in range(T)])
+        else:
+            out = attend(q, keys, values, past)  # [T, heads * hd]
         return self.o_proj(out * sigmoid(gate))
 
 
@@ -145,8 +151,8 @@ class DeltaNet:
         # Value head h reads key head h // (Hv / Hk): repeat each key head, not tile.
         q = np.repeat(l2_normalize(q), hv // hk, axis=1) * dk**-0.5
         k = np.repeat(l2_normalize(k), hv // hk, axis=1)
-        if T == 1:
-            out = delta_rule_step(q[0], k[0], v[0], beta[0], log_decay[0], state)[None]
+        if T <= ROWWISE_MAX:
+            out = delta_rule_rows(q, k, v, beta, log_decay, state)
         else:
             out = delta_rule_chunked(q, k, v, beta, log_decay, state)
         z = self.in_z(x).reshape(T, hv, dv)
@@ -161,8 +167,19 @@ def causal_conv(mixed: np.ndarray, taps: np.ndarray, state: DeltaNetState) -> np
     out = np.zeros_like(mixed)
     for j in range(K):
         out += window[j : j + T] * taps[:, j]
+    state.window = window if T <= ROWWISE_MAX else None  # kept for a verify rollback only
     state.conv = window[T:].copy()
     return silu(out)
+
+
+def delta_rule_rows(q, k, v, beta, log_decay, state: DeltaNetState) -> np.ndarray:
+    """Token by token, keeping S after every row so a verify pass can roll back to any row."""
+    state.row_states = []
+    rows = []
+    for t in range(q.shape[0]):
+        rows.append(delta_rule_step(q[t], k[t], v[t], beta[t], log_decay[t], state))
+        state.row_states.append(state.recurrent)
+    return np.stack(rows)
 
 
 def delta_rule_step(q, k, v, beta, log_decay, state: DeltaNetState) -> np.ndarray:
@@ -307,6 +324,7 @@ class Model:
         x = self.embed[np.asarray(tokens, dtype=np.int64)]
         for layer, cache in zip(self.layers, state.layers):
             x = layer(x, cache, state.length)
+        state.length_before_last_call = state.length
         state.length += len(tokens)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 

@@ -125,6 +125,38 @@ def write_tokenizer(model_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
     }))
 
 
+def add_random_mtp_head(model_dir: Path, ref, seed: int) -> dict:
+    """Write a random MTP head into a saved checkpoint, built from transformers' own Qwen3_5 layers.
+
+    Returns the torch modules (fc, norms, layer, rotary) so a test can compute the reference.
+    """
+    import torch
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+
+    text = ref.config
+    mtp_config = tf.Qwen3_5TextConfig(**{**text.to_dict(), "num_hidden_layers": 1, "layer_types": ["full_attention"]})
+    parts = {
+        "layer": q35.Qwen3_5DecoderLayer(mtp_config, 0),
+        "norms": torch.nn.ModuleDict({k: q35.Qwen3_5RMSNorm(text.hidden_size) for k in ("emb", "hid", "out")}),
+        "fc": torch.nn.Linear(2 * text.hidden_size, text.hidden_size, bias=False),
+    }
+    for module in parts.values():
+        randomize(module, seed)
+    parts["rotary"] = q35.Qwen3_5TextRotaryEmbedding(mtp_config)
+    tensors = load_file(model_dir / "model.safetensors")
+    norms = parts["norms"]
+    tensors.update({"mtp.fc.weight": parts["fc"].weight, "mtp.pre_fc_norm_embedding.weight": norms["emb"].weight,
+                    "mtp.pre_fc_norm_hidden.weight": norms["hid"].weight, "mtp.norm.weight": norms["out"].weight})
+    tensors.update({f"mtp.layers.0.{k}": v for k, v in parts["layer"].state_dict().items()})
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, model_dir / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    return parts
+
+
 def save_reference(model, model_dir: Path, with_tokenizer: bool = True) -> Path:
     model.save_pretrained(model_dir)
     if with_tokenizer:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import build_reference, save_reference, split_fused_experts
+from conftest import add_random_mtp_head, build_reference, save_reference, split_fused_experts
 from engine import GenerateOptions, Tokens, generate, load_model
 from engine.checkpoint.hf import load_hf_model
 from engine.checkpoint.safetensors import SafetensorsCheckpoint
@@ -122,29 +122,10 @@ def test_mtp_head_matches_a_reference_built_from_transformers_layers(tmp_path):
 
     transformers ignores mtp.*, so the reference is assembled from its own Qwen3_5 layer classes.
     """
-    import transformers as tf
-    from safetensors.torch import load_file, save_file
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
-
     ref = build_reference("qwen3_5_text", seed=13)
-    text = ref.config
-    mtp_config = tf.Qwen3_5TextConfig(**{**text.to_dict(), "num_hidden_layers": 1, "layer_types": ["full_attention"]})
-    layer = q35.Qwen3_5DecoderLayer(mtp_config, 0)
-    norms = torch.nn.ModuleDict({k: q35.Qwen3_5RMSNorm(text.hidden_size) for k in ("emb", "hid", "out")})
-    fc = torch.nn.Linear(2 * text.hidden_size, text.hidden_size, bias=False)
-    rotary = q35.Qwen3_5TextRotaryEmbedding(mtp_config)
-    for module in (layer, norms, fc):
-        from conftest import randomize
-        randomize(module, 17)
-
     ref.save_pretrained(tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
-    tensors.update({"mtp.fc.weight": fc.weight, "mtp.pre_fc_norm_embedding.weight": norms["emb"].weight,
-                    "mtp.pre_fc_norm_hidden.weight": norms["hid"].weight, "mtp.norm.weight": norms["out"].weight})
-    tensors.update({f"mtp.layers.0.{k}": v for k, v in layer.state_dict().items()})
-    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    parts = add_random_mtp_head(tmp_path, ref, seed=17)
+    fc, norms, layer, rotary = parts["fc"], parts["norms"], parts["layer"], parts["rotary"]
 
     ids = np.random.default_rng(4).integers(0, 300, 90)
     with torch.no_grad():

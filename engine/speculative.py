@@ -1,0 +1,205 @@
+"""Speculative decoding: drafters, acceptance rules, adaptive depth. Facts: REFERENCE.md section 5.
+
+A drafter proposes up to k tokens, each with the distribution q it was drawn from (None: the draft
+was chosen deterministically, q is one-hot on it). The verify pass gives the target distribution p
+for every row; an acceptance rule decides how many drafts to keep and which token follows them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.errors import DuetError
+from engine.model import Model
+from engine.sampling import Sampler, probabilities, process_logits
+
+EXACT, LOSSY = "exact", "lossy"
+DRAFTERS = ("auto", "mtp", "ngram", "none")
+START_DEPTH = 3
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    q: list[np.ndarray | None]  # per draft: the distribution it was drawn from, or None if one-hot
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int  # drafts kept
+    next_token: int  # the token after them: the correction, or the bonus when all were kept
+    lossy: int  # drafts kept only because of the lossy rule
+
+
+# --------------------------------------------------------------------------------------------
+# Acceptance
+
+
+def accept(rule: str, target: np.ndarray, draft: Draft, sampler: Sampler) -> Verdict:
+    """Decide on a verify pass. target [k + 1, V]: processed logits of each verify row.
+
+    Greedy (temperature 0): keep drafts while each equals the argmax of the row before it. The
+    lossy rule cannot keep more there, since the greedy target puts all its mass on the argmax.
+    Sampling, exact: keep x ~ q with probability min(1, p(x) / q(x)); on rejection draw from
+    norm(max(0, p - q)), which makes the output distributed exactly as p.
+    Sampling, lossy (mode-biased): on rejection, with r drawn from that residual, keep x anyway if
+    p(x) >= p(r); each such keep is counted in `lossy`.
+    """
+    if sampler.params.greedy:
+        return _accept_greedy(target, draft.tokens)
+    lossy = 0
+    for i, (x, q) in enumerate(zip(draft.tokens, draft.q)):
+        p = probabilities(target[i])
+        q_x = 1.0 if q is None else float(q[x])
+        if sampler.rng.random() * q_x < p[x]:  # u < p(x) / q(x) without dividing
+            continue
+        r = sampler.draw(residual(p, q, x))
+        if rule == LOSSY and p[x] >= p[r]:
+            lossy += 1
+            continue
+        return Verdict(i, r, lossy)
+    bonus = sampler.draw(probabilities(target[len(draft.tokens)]))
+    return Verdict(len(draft.tokens), bonus, lossy)
+
+
+def residual(p: np.ndarray, q: np.ndarray | None, drafted: int) -> np.ndarray:
+    """norm(max(0, p - q)); q None means one-hot on the drafted token."""
+    if q is None:
+        q = np.zeros_like(p)
+        q[drafted] = 1.0
+    rest = np.maximum(p - q, 0.0)
+    total = rest.sum()
+    return rest / total if total > 0 else p
+
+
+def _accept_greedy(target: np.ndarray, drafts: list[int]) -> Verdict:
+    best = np.argmax(target, axis=-1)
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == best[kept]:
+        kept += 1
+    return Verdict(kept, int(best[kept]), 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Drafters
+
+
+class NoDrafter:
+    """The drafter interface, drafting nothing: every cycle is a plain decode step."""
+
+    name = "none"
+    depth_cap = 0  # most drafts a cycle may ask for
+
+    def start(self, prompt: list[int], hidden: np.ndarray, first: int) -> None:
+        pass
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+        return Draft([], [])
+
+    def commit(self, committed: list[int], hidden: np.ndarray) -> None:
+        pass
+
+
+class NgramDrafter(NoDrafter):
+    """Prompt lookup: find the longest recent n-gram (n = 3..1) earlier in the history and propose
+    the tokens that followed it. Drafts are deterministic (q one-hot)."""
+
+    name = "ngram"
+    depth_cap = 7
+    MAX_N = 3
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+        for n in range(min(self.MAX_N, len(history) - 1), 0, -1):
+            tail = history[-n:]
+            # Latest earlier occurrence first: recent context predicts best.
+            for start in range(len(history) - n - 1, -1, -1):
+                if history[start : start + n] == tail:
+                    follow = history[start + n : start + n + k]
+                    return Draft(follow, [None] * len(follow))
+        return Draft([], [])
+
+
+class MTPDrafter:
+    """The checkpoint's multi-token-prediction head. Its KV cache holds one row per committed
+    position t, fed (x_{t+1}, h_t); the last row's output predicts the first draft. Further drafts
+    apply the same layer to its own output and its own drafted token, then are rolled back."""
+
+    name = "mtp"
+    depth_cap = 4
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.state = model.new_mtp_state()
+        self.hidden: np.ndarray | None = None  # MTP output of the last committed row [1, H]
+
+    def start(self, prompt: list[int], hidden: np.ndarray, first: int) -> None:
+        self.commit(list(prompt[1:]) + [first], hidden)
+
+    def commit(self, committed: list[int], hidden: np.ndarray) -> None:
+        """Rows for the newly committed tokens: committed[j] is x_{t+1} for main hidden[j] = h_t."""
+        self.hidden = self.model.mtp_forward(self.state, committed, hidden)[-1:]
+
+    def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
+        committed_length = self.state.length
+        tokens, qs, hidden = [], [], self.hidden
+        for i in range(k):
+            if i:
+                hidden = self.model.mtp_forward(self.state, [tokens[-1]], hidden)
+            token, q = _draw_draft(self.model.logits(hidden)[0], sampler, history + tokens)
+            tokens.append(token)
+            qs.append(q)
+        self.state.rewind(committed_length)
+        return Draft(tokens, qs)
+
+
+def _draw_draft(logits: np.ndarray, sampler: Sampler, previous: list[int]) -> tuple[int, np.ndarray | None]:
+    processed = process_logits(logits, sampler.params, previous)
+    if sampler.params.greedy:
+        return int(np.argmax(processed)), None
+    q = probabilities(processed)
+    return sampler.draw(q), q
+
+
+def make_drafter(kind: str, model: Model):
+    if kind not in DRAFTERS:
+        raise DuetError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")
+    if kind == "auto":
+        kind = "mtp" if model.mtp is not None else "ngram"
+    if kind == "mtp":
+        if model.mtp is None:
+            raise DuetError("this checkpoint has no MTP head (no mtp.* tensors); use --draft ngram or none")
+        return MTPDrafter(model)
+    return NgramDrafter() if kind == "ngram" else NoDrafter()
+
+
+# --------------------------------------------------------------------------------------------
+# Depth
+
+
+class Depth:
+    """How many drafts to ask for: fixed, or adaptive between 1 and the drafter's cap."""
+
+    def __init__(self, drafter, fixed: int | None):
+        self.cap = drafter.depth_cap
+        if fixed is not None and self.cap and not 1 <= fixed <= self.cap:
+            raise DuetError(f"--depth must be between 1 and {self.cap} for {drafter.name} drafts (got {fixed})")
+        self.fixed = fixed
+        self.current = fixed if fixed is not None else min(START_DEPTH, self.cap)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Adaptive: one deeper after a cycle that kept every draft, one shallower after one that kept none."""
+        if self.fixed is not None or drafted == 0:
+            return
+        if accepted == drafted:
+            self.current = min(self.current + 1, self.cap)
+        elif accepted == 0:
+            self.current = max(self.current - 1, 1)
+
+
+def check_rule(rule: str) -> str:
+    if rule not in (EXACT, LOSSY):
+        raise DuetError(f"unknown acceptance rule {rule!r}; choose exact or lossy")
+    return rule
+
