@@ -75,6 +75,8 @@ def main_parser() -> OneLineParser:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout at the end")
     parser.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
     parser.add_argument("--context", type=int, help="token budget for prompt + reply (default: the model's)")
+    parser.add_argument("--kv", choices=["full", "q4"], default="full",
+                        help="attention KV cache: full precision, or q4 (4-bit, Hadamard-rotated, exact sink and recent rows)")
     parser.add_argument("--draft", choices=["auto", "mtp", "ngram", "none"], default="auto",
                         help="drafter: auto uses the MTP head when the checkpoint has one, else n-gram lookup")
     parser.add_argument("--depth", default="auto",

@@ -18,7 +18,7 @@ def run_headless(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
     )
     options = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, context=args.context,
-                              draft=args.draft, depth=parse_depth(args.depth), accept=args.accept)
+                              draft=args.draft, depth=parse_depth(args.depth), accept=args.accept, kv=args.kv)
     bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
     lm = load_model(args.model or bundled_demo_model(), progress=bar)
     if bar:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.backend.cpu import ROWWISE_MAX
+
 
 class KVCache:
     """Keys and values [kv_heads, capacity, head_dim], grown by doubling as tokens arrive."""
@@ -22,14 +24,17 @@ class KVCache:
         self.values = np.zeros_like(self.keys)
         self.length = 0
 
-    def append(self, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Add [kv_heads, T, head_dim] rows; return views of all rows so far."""
+    def append(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Add [kv_heads, T, head_dim] rows."""
         end = self.length + keys.shape[1]
         if end > self.keys.shape[1]:
             self._grow(end)
         self.keys[:, self.length:end] = keys
         self.values[:, self.length:end] = values
         self.length = end
+
+    def rows(self, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of rows [0, end) as a query whose last visible row is end - 1 reads them."""
         return self.keys[:, :end], self.values[:, :end]
 
     def truncate(self, length: int) -> None:
@@ -42,6 +47,103 @@ class KVCache:
             new = np.zeros((old.shape[0], capacity, old.shape[2]), np.float32)
             new[:, : self.length] = old[:, : self.length]
             setattr(self, name, new)
+
+
+class Q4KVCache:
+    """4-bit KV cache: rows rotated by a Walsh-Hadamard transform with random signs, then 4-bit
+    symmetric codes with an fp16 scale per Q4_GROUP values. The first SINK_ROWS rows and the
+    RECENT_ROWS rows before each query stay exact.
+
+    Layout per row and KV head: codes uint8 [head_dim / 2] (value 2i in the low nibble, 2i + 1 in
+    the high one, each stored + 8), scales fp16 [head_dim / Q4_GROUP]. The rotation spreads outlier
+    channels over the whole head so one group scale fits them all; it is orthonormal, so a
+    dequantized row is rotated back before attention reads it.
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, seed: int = 0):
+        if head_dim & (head_dim - 1) or head_dim % Q4_GROUP:
+            raise ValueError(f"q4 KV needs a power-of-two head_dim divisible by {Q4_GROUP}")
+        self.hadamard = hadamard(head_dim) / np.sqrt(head_dim)  # symmetric and orthonormal
+        self.signs = np.random.default_rng(seed).choice([-1.0, 1.0], head_dim).astype(np.float32)
+        self.codes = np.zeros((kv_heads, 0, head_dim // 2, 2), np.uint8)
+        self.scales = np.zeros((kv_heads, 0, head_dim // Q4_GROUP, 2), np.float16)
+        # Exact rows: the sink, and a ring of the latest RECENT_ROWS + ROWWISE_MAX rows, enough for
+        # any query of a verify pass and for a rollback of one.
+        self.sink = np.zeros((kv_heads, SINK_ROWS, head_dim, 2), np.float32)
+        self.ring = np.zeros((kv_heads, RECENT_ROWS + ROWWISE_MAX, head_dim, 2), np.float32)
+        self.length = 0
+
+    def append(self, keys: np.ndarray, values: np.ndarray) -> None:
+        rows = np.stack([keys, values], axis=-1)  # [kv, T, hd, 2]: key and value side by side
+        start, end = self.length, self.length + rows.shape[1]
+        codes, scales = quantize_q4((rows.transpose(0, 1, 3, 2) * self.signs) @ self.hadamard)
+        self.codes = _grow_rows(self.codes, start, end)
+        self.scales = _grow_rows(self.scales, start, end)
+        self.codes[:, start:end] = codes.transpose(0, 1, 3, 2)
+        self.scales[:, start:end] = scales.transpose(0, 1, 3, 2)
+        positions = np.arange(start, end)
+        latest = slice(-self.ring.shape[1], None)  # a long prefill only needs its last ring's worth
+        self.ring[:, positions[latest] % self.ring.shape[1]] = rows[:, latest]
+        in_sink = positions < SINK_ROWS
+        self.sink[:, positions[in_sink]] = rows[:, in_sink]
+        self.length = end
+
+    def rows(self, end: int) -> tuple[np.ndarray, np.ndarray]:
+        exact_from = max(SINK_ROWS, end - RECENT_ROWS)
+        sink = self.sink[:, : min(end, SINK_ROWS)]
+        middle = self._dequantize(SINK_ROWS, exact_from)
+        recent = self.ring[:, np.arange(exact_from, end) % self.ring.shape[1]]
+        both = np.concatenate([sink, middle, recent], axis=1)
+        return both[..., 0], both[..., 1]
+
+    def _dequantize(self, start: int, end: int) -> np.ndarray:
+        if end <= start:
+            return np.zeros((self.codes.shape[0], 0, self.sink.shape[2], 2), np.float32)
+        codes = self.codes[:, start:end].transpose(0, 1, 3, 2)
+        scales = self.scales[:, start:end].transpose(0, 1, 3, 2)
+        rotated = dequantize_q4(codes, scales)
+        return ((rotated @ self.hadamard) * self.signs).transpose(0, 1, 3, 2)
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+SINK_ROWS = 4  # the first tokens draw attention far beyond their content; keep them exact
+RECENT_ROWS = 128  # the latest rows carry most of the attention mass; keep them exact
+Q4_GROUP = 32  # values per fp16 scale along head_dim
+
+
+def hadamard(n: int) -> np.ndarray:
+    """Sylvester's Hadamard matrix of order n (a power of two), entries +-1."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def quantize_q4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., hd] -> codes uint8 [..., hd / 2] (pairs of nibbles, +8) and fp16 scales [..., hd / Q4_GROUP]."""
+    groups = x.reshape(*x.shape[:-1], -1, Q4_GROUP)
+    scales = (np.abs(groups).max(axis=-1) / 7.0).astype(np.float16)
+    safe = np.where(scales == 0, 1.0, scales.astype(np.float32))[..., None]
+    levels = np.clip(np.rint(groups / safe), -7, 7).astype(np.int8).reshape(x.shape) + 8
+    codes = (levels[..., 0::2] | (levels[..., 1::2] << 4)).astype(np.uint8)
+    return codes, scales
+
+
+def dequantize_q4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    levels = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1).astype(np.float32) - 8
+    groups = levels.reshape(*levels.shape[:-1], -1, Q4_GROUP) * scales.astype(np.float32)[..., None]
+    return groups.reshape(levels.shape)
+
+
+def _grow_rows(array: np.ndarray, start: int, end: int) -> np.ndarray:
+    """Keep rows [0, start) and make room up to `end` (capacity doubles)."""
+    if end <= array.shape[1]:
+        return array
+    grown = np.zeros((array.shape[0], max(end, 2 * array.shape[1]), *array.shape[2:]), array.dtype)
+    grown[:, :start] = array[:, :start]
+    return grown
 
 
 class DeltaNetState:
@@ -73,7 +175,7 @@ class SequenceState:
         """Roll back the last (row-by-row) call to its first `rows` rows."""
         end = self.length_before_last_call + rows
         for cache in self.layers:
-            if isinstance(cache, KVCache):
+            if isinstance(cache, (KVCache, Q4KVCache)):
                 cache.truncate(end)
             else:
                 cache.keep(rows)
@@ -81,7 +183,7 @@ class SequenceState:
 
     def rewind(self, length: int) -> None:
         """Cut an attention-only state (the MTP head's) back to `length` tokens."""
-        assert all(isinstance(cache, KVCache) for cache in self.layers)
+        assert all(isinstance(cache, (KVCache, Q4KVCache)) for cache in self.layers)
         for cache in self.layers:
             cache.truncate(length)
         self.length = length

@@ -20,6 +20,9 @@ from engine.sampling import Sampler, SamplingParams, process_rows
 from engine.speculative import EXACT, Depth, accept, check_rule, make_drafter
 
 
+KV_TYPES = ("full", "q4")
+
+
 @dataclass(frozen=True)
 class GenerateOptions:
     max_tokens: int = 512
@@ -28,6 +31,7 @@ class GenerateOptions:
     draft: str = "auto"  # auto (MTP when the checkpoint has it, else n-gram), mtp, ngram, none
     depth: int | None = None  # drafts per cycle; None: adaptive
     accept: str = EXACT  # exact or lossy; the starting value of Switches.accept
+    kv: str = "full"  # attention KV cache: full precision, or q4 (Hadamard-rotated 4-bit, exact sink/recent)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -35,6 +39,8 @@ class GenerateOptions:
         if self.context is not None and self.context < 2:
             raise DuetError(f"context must be at least 2 tokens (got {self.context})")
         check_rule(self.accept)
+        if self.kv not in KV_TYPES:
+            raise DuetError(f"unknown KV cache type {self.kv!r}; choose {' or '.join(KV_TYPES)}")
 
 
 @dataclass
@@ -158,7 +164,7 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
     switches = switches or Switches(options.accept)
     decoder = lm.tokenizer.stream_decoder()
     stats = Stats(prompt_tokens=len(prompt_ids))
-    state = model.new_state()
+    state = model.new_state(options.kv)
     history = list(prompt_ids)  # prompt + committed tokens, for n-gram lookup
     generated: list[int] = []
 

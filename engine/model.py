@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.backend.cpu import ROWWISE_MAX
-from engine.cache import DeltaNetState, KVCache, SequenceState
+from engine.cache import DeltaNetState, KVCache, Q4KVCache, SequenceState
 from engine.config import FULL_ATTENTION, ModelConfig
 
 CHUNK = 64  # DeltaNet prefill chunk length, as transformers' torch_chunk_gated_delta_rule
@@ -59,8 +59,9 @@ class Attention:
     k_norm: np.ndarray
     config: ModelConfig
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.config.num_key_value_heads, self.config.head_dim)
+    def new_cache(self, kv: str = "full") -> KVCache | Q4KVCache:
+        c = self.config
+        return Q4KVCache(c.num_key_value_heads, c.head_dim) if kv == "q4" else KVCache(c.num_key_value_heads, c.head_dim)
 
     def __call__(self, x: np.ndarray, cache: KVCache, start: int) -> np.ndarray:
         c = self.config
@@ -72,13 +73,15 @@ class Attention:
         v = self.v_proj(x).reshape(T, kv_heads, hd)
         cos, sin = rope_tables(np.arange(start, start + T), c.rotary_dim, c.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [kv, T, hd]
         past = cache.length
-        keys, values = cache.append(k.transpose(1, 0, 2), v.transpose(1, 0, 2))  # [kv, past + T, hd]
         if T <= ROWWISE_MAX:  # each row exactly as its own decode step would compute it
-            end = past + 1 + np.arange(T)
-            out = np.concatenate([attend(q[t : t + 1], keys[:, : end[t]], values[:, : end[t]], end[t] - 1)
-                                  for t in range(T)])
-        else:
+            cache.append(k, v)
+            out = np.concatenate([attend(q[t : t + 1], *cache.rows(past + t + 1), past + t) for t in range(T)])
+        else:  # prefill: cached rows as the cache holds them, the new rows exact
+            old_keys, old_values = cache.rows(past)
+            cache.append(k, v)
+            keys, values = np.concatenate([old_keys, k], axis=1), np.concatenate([old_values, v], axis=1)
             out = attend(q, keys, values, past)  # [T, heads * hd]
         return self.o_proj(out * sigmoid(gate))
 
@@ -133,7 +136,7 @@ class DeltaNet:
     out_proj: object  # [H, Hv * dv]
     config: ModelConfig
 
-    def new_cache(self) -> DeltaNetState:
+    def new_cache(self, kv: str = "full") -> DeltaNetState:
         c = self.config
         return DeltaNetState(self.conv.shape[0], self.conv.shape[1], c.linear_num_value_heads,
                              c.linear_key_head_dim, c.linear_value_head_dim)
@@ -316,8 +319,9 @@ class Model:
         self.lm_head = lm_head  # Linear [V, H]
         self.mtp = mtp
 
-    def new_state(self) -> SequenceState:
-        return SequenceState([layer.mixer.new_cache() for layer in self.layers])
+    def new_state(self, kv: str = "full") -> SequenceState:
+        """Fresh per-sequence state; kv "q4" keeps attention keys/values in the 4-bit cache."""
+        return SequenceState([layer.mixer.new_cache(kv) for layer in self.layers])
 
     def forward(self, state: SequenceState, tokens) -> np.ndarray:
         """Run T new tokens; returns the post-final-norm hidden states [T, H] and advances state."""
