@@ -1,4 +1,4 @@
-"""load_model: a model folder -> weights in memory, tokenizer and config, with progress events."""
+"""load_model: a model folder or GGUF file -> weights in memory, tokenizer and config, with progress events."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.checkpoint.hf import load_hf_model
+from engine.backend.cpu import resolve_route
+from engine.checkpoint.gguf import GGUFCheckpoint, find_gguf
+from engine.checkpoint.hf import TensorPlan, load_hf_model
+from engine.checkpoint.quantized import read_quantization
+from engine.checkpoint.trellis_files import read_trellis
 from engine.checkpoint.safetensors import SafetensorsCheckpoint
 from engine.config import ModelConfig
 from engine.errors import DuetError
@@ -30,21 +34,68 @@ class LoadedModel:
     model: Model
     tokenizer: Tokenizer
     route: str
+    routes: tuple[str, ...] = ()  # every route this checkpoint can run, the natural one first
 
 
-def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None = None) -> LoadedModel:
+def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None = None,
+               route: str = "auto") -> LoadedModel:
     """Read config, tokenizer and the tensors the text model needs (never the vision tower).
 
-    Headers, shapes and the tokenizer are all checked before any weight data is read, so a bad
-    folder fails fast with one line naming the file.
+    `path` is a model folder (safetensors: bf16, or INT4 compressed-tensors / GPTQ) or a .gguf file
+    (or a folder holding one). `route` is bf16, w4a16, w4a8, or auto for the checkpoint's natural
+    one. Headers, shapes, the route and the tokenizer are all checked before any weight data is
+    read, so a bad file fails fast with one line naming it.
     """
-    model_dir = Path(path).expanduser()
-    if not model_dir.is_dir():
-        raise DuetError(f"{model_dir}: no such model folder; pass --model with a folder holding config.json")
-    config = ModelConfig.from_file(model_dir / "config.json")
-    tokenizer = Tokenizer.from_dir(model_dir, extra_eos_ids=config.eos_token_ids)
-    checkpoint = SafetensorsCheckpoint(model_dir)
+    opened = open_model(path)
     report = (lambda done, total: progress(LoadProgress(done, total))) if progress else None
-    model = load_hf_model(checkpoint, config, report)
-    checkpoint.close()
-    return LoadedModel(model_dir.resolve().name, model_dir.resolve(), config, model, tokenizer, route="bf16")
+    try:
+        chosen = resolve_route(route, opened.routes, opened.description, opened.location)
+        model = load_hf_model(opened.checkpoint, opened.config, report, chosen, opened.quantized)
+    finally:
+        opened.checkpoint.close()
+    return LoadedModel(opened.name, opened.location, opened.config, model, opened.tokenizer,
+                       route=chosen, routes=opened.routes)
+
+
+def check_model(path: str | Path) -> ModelConfig:
+    """Everything load_model checks before it reads a weight (config, tokenizer, every tensor header)."""
+    opened = open_model(path)
+    try:
+        TensorPlan(opened.checkpoint, opened.config, opened.quantized)
+    finally:
+        opened.checkpoint.close()
+    return opened.config
+
+
+@dataclass
+class OpenedModel:
+    """A checkpoint whose headers, config and tokenizer are read, with no weight data touched."""
+
+    name: str
+    location: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    checkpoint: SafetensorsCheckpoint | GGUFCheckpoint
+    quantized: object  # the checkpoint's quantization (INT4 or GGUF blocks), None for float weights
+    routes: tuple[str, ...]
+    description: str
+
+
+def open_model(path: str | Path) -> OpenedModel:
+    model_path = Path(path).expanduser()
+    gguf_file = find_gguf(model_path)
+    if gguf_file is not None:
+        checkpoint = GGUFCheckpoint(gguf_file)
+        location = gguf_file.resolve()
+        return OpenedModel(location.stem, location, checkpoint.config, checkpoint.tokenizer(), checkpoint,
+                           checkpoint.quantized, checkpoint.routes, checkpoint.description)
+    if not model_path.is_dir():
+        raise DuetError(f"{model_path}: not a model folder or .gguf file; give a folder holding config.json "
+                        "or a .gguf file")
+    config = ModelConfig.from_file(model_path / "config.json")
+    tokenizer = Tokenizer.from_dir(model_path, extra_eos_ids=config.eos_token_ids)
+    checkpoint = SafetensorsCheckpoint(model_path)
+    quantized = read_trellis(checkpoint) or read_quantization(model_path, checkpoint)
+    routes, description = (quantized.routes, quantized.description) if quantized else (("bf16",), "bf16 safetensors")
+    location = model_path.resolve()
+    return OpenedModel(location.name, location, config, tokenizer, checkpoint, quantized, routes, description)

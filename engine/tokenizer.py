@@ -22,6 +22,7 @@ import jinja2.parser
 import jinja2.utils
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as TokenizersBackend
 
 from engine.errors import CheckpointError, DuetError
@@ -33,6 +34,13 @@ REPLACEMENT_CHAR = "\ufffd"
 # Everything a template can raise while rendering: its own errors and Python errors from its expressions.
 TEMPLATE_FAILURES = (jinja2.TemplateError, TypeError, ValueError, LookupError, ArithmeticError)
 RAW_HINT = "use --raw to send the prompt without a template"
+# Pre-tokenizer regexes by GGUF `tokenizer.ggml.pre` (as in the models' tokenizer.json); gpt-2 is ByteLevel's own.
+GGUF_PRE_SPLITS = {
+    "gpt-2": None,
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+GGUF_CONTROL, GGUF_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values of added tokens
 
 
 class Tokenizer:
@@ -67,6 +75,28 @@ class Tokenizer:
         template, source = _find_chat_template(model_dir, config, config_path)
         return cls(backend, named_tokens, frozenset(eos_ids), template, source)
 
+    @classmethod
+    def from_gguf_vocab(cls, tokens: list[str], token_types: list[int], merges: list[str], pre: str,
+                        bos_id: int | None, eos_id: int | None, pad_id: int | None, extra_eos_ids: Iterable[int],
+                        chat_template: str | None, source: Path) -> Tokenizer:
+        """A byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata (llama.cpp's "gpt2" model)."""
+        if pre not in GGUF_PRE_SPLITS:
+            raise CheckpointError(source, f"tokenizer pre-tokenizer {pre!r} is not supported; duet reads "
+                                          f"{', '.join(GGUF_PRE_SPLITS)}")
+        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split(" ", 1)) for m in merges])
+        backend = TokenizersBackend(bpe)
+        split = GGUF_PRE_SPLITS[pre]
+        backend.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else
+                                 pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), "isolated"),
+                                                          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
+        backend.decoder = decoders.ByteLevel()
+        backend.add_tokens([AddedToken(t, special=kind == GGUF_CONTROL, normalized=False)
+                            for t, kind in zip(tokens, token_types) if kind in (GGUF_CONTROL, GGUF_USER_DEFINED)])
+        named = {name: tokens[i] for name, i in (("bos_token", bos_id), ("eos_token", eos_id), ("pad_token", pad_id))
+                 if i is not None}
+        eos_ids = frozenset([*extra_eos_ids, *([eos_id] if eos_id is not None else [])])
+        return cls(backend, named, eos_ids, chat_template, source)
+
     @property
     def bos_token(self) -> str | None:
         return self.named_tokens.get("bos_token")
@@ -82,6 +112,10 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
 
     def encode(self, text: str) -> list[int]:
         """Ids for text, adding no special tokens; special tokens written in the text map to their ids."""

@@ -1,8 +1,19 @@
-"""numpy linear layers. Every route's Linear takes x [T, K] and returns x @ W^T [T, N] in fp32."""
+"""numpy linear layers. Every route's Linear takes x [T, K] and returns x @ W^T [T, N] in fp32.
+
+Routes (DESIGN.md contracts): `bf16` DenseLinear, `w4a16` W4A16Linear, `w4a8` W4A8Linear.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from engine.errors import CheckpointError
+from engine.quant.activation import ACT_BLOCK, quantize_int8_blocks, round_to_bf16
+from engine.quant.gguf_blocks import BlockMatrix
+from engine.quant.trellis import TrellisWeight, rotated_int8_activations
+from engine.quant.w4 import GROUP, W4Weight
 
 # Up to this many rows (a decode step, or a speculative verify of 1 + drafts) each row is its own
 # matrix-vector product, so a row's result does not depend on how many rows came with it: a
@@ -28,3 +39,212 @@ class DenseLinear:
         if x.shape[0] <= ROWWISE_MAX:
             return np.stack([row @ self.weight.T for row in x])
         return x @ self.weight.T
+
+
+# --------------------------------------------------------------------------------------------
+# Quantized routes. Both decode a chunk of weight rows at a time from the stored packed form
+# (never a full fp32 copy), then form one fp32 dot product per weight block and scale it.
+# A chunk is decoded once per call and serves every row of x.
+
+CHUNK_WEIGHTS = 1 << 20  # weights decoded at a time (4 MB of fp32 levels)
+
+
+class W4A16Linear:
+    """`w4a16`: W4 weights (bf16 scale per 128) against bf16-rounded activations.
+
+    y[n] = sum over groups g of scale[n, g] * (sum over the group's 128 k of level[n, k] * bf16(x[k])),
+    the inner sum in fp32. level * bf16(x) is exact in fp32 (4 + 8 significant bits), so only the
+    fp32 summation rounds, as on the GPU.
+    """
+
+    route = "w4a16"
+
+    def __init__(self, weight: W4Weight):
+        self.weight = weight
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return _by_chunks(self.weight, _w4a16_rows, round_to_bf16(x))
+
+
+def _w4a16_rows(levels: np.ndarray, scale: np.ndarray, minimum: None, x: np.ndarray) -> np.ndarray:
+    """levels [r, G, 128], scale [r, G], x [T, K] -> [T, r]."""
+    G = levels.shape[1]
+    sums = np.matmul(levels.transpose(1, 0, 2), x.reshape(-1, G, GROUP).transpose(1, 2, 0))  # [G, r, T]
+    return np.einsum("grt,rg->tr", sums, scale)
+
+
+class W4A8Linear:
+    """`w4a8`: integer weight levels against int8 activations (absmax per 32 inputs, fp32 scale).
+
+    For each block u of min(32, weight sub-block) inputs: an integer dot product of weight levels and
+    activation levels, then fp32 rescale by weight scale x activation scale, summed over blocks;
+    weights with a minimum (Q4_K, Q5_K) subtract minimum x activation scale x sum of activation levels.
+    The integer dots are formed in fp32, which is exact: |sum| <= 32 x 128 x 127 < 2^24.
+    Runs W4 weights and every GGUF block type (`BlockMatrix`).
+    """
+
+    route = "w4a8"
+
+    def __init__(self, weight: W4Weight | BlockMatrix):
+        self.weight = weight
+        self.unit = min(ACT_BLOCK, weight.block_size())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        q, act_scale = quantize_int8_blocks(x)
+        return _by_chunks(self.weight, self._rows, q, act_scale)
+
+    def _rows(self, levels: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None,
+              q: np.ndarray, act_scale: np.ndarray) -> np.ndarray:
+        """levels [r, S, sub], scale/minimum [r, S]; q [T, K/32, 32], act_scale [T, K/32] -> [T, r]."""
+        r, S, sub = levels.shape
+        u = self.unit
+        units = S * sub // u
+        q = q.reshape(q.shape[0], units, u)
+        act_scale = np.repeat(act_scale, ACT_BLOCK // u, axis=1)  # [T, U]
+        dots = np.matmul(levels.reshape(r, units, u).transpose(1, 0, 2), q.transpose(1, 2, 0))  # [U, r, T]
+        weight_scale = np.repeat(scale, sub // u, axis=1)  # [r, U]
+        out = np.einsum("urt,rut->tr", dots, weight_scale[:, :, None] * act_scale.T[None])
+        if minimum is not None:
+            out -= (q.sum(axis=-1) * act_scale) @ np.repeat(minimum, sub // u, axis=1).T
+        return out
+
+
+class TrellisLinear:
+    """`w4a8` for trellis weights (engine/quant/trellis.py): activations rotated by the weight's
+    Hadamard, int8 per 128-block; per block an integer dot against the int8 trellis levels, rescaled
+    by the activation scale; the row scale last. y[n] = row_scale[n] * sum_b act_scale[b] * dot_b.
+    """
+
+    route = "w4a8"
+
+    def __init__(self, weight: TrellisWeight):
+        self.weight = weight
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        q, act_scale = rotated_int8_activations(x, self.weight.seed)
+        return _by_chunks(self.weight, _trellis_rows, q, act_scale)
+
+
+def _trellis_rows(levels: np.ndarray, row_scale: np.ndarray, q: np.ndarray, act_scale: np.ndarray) -> np.ndarray:
+    """levels [r, B, 128], row_scale [r]; q [T, B, 128], act_scale [T, B] -> [T, r]."""
+    dots = np.matmul(levels.transpose(1, 0, 2), q.transpose(1, 2, 0))  # [B, r, T], exact integers
+    return np.einsum("brt,tb->tr", dots, act_scale) * row_scale[None, :]
+
+
+def _by_chunks(weight, rows_fn, *inputs: np.ndarray) -> np.ndarray:
+    """Decode CHUNK_WEIGHTS weights at a time and apply rows_fn; up to ROWWISE_MAX rows one by one.
+
+    inputs are per-row arrays [T, ...] (the activation in the route's form).
+    """
+    N, K = weight.shape
+    T = inputs[0].shape[0]
+    out = np.empty((T, N), np.float32)
+    step = max(1, CHUNK_WEIGHTS // K)
+    for start in range(0, N, step):
+        stop = min(N, start + step)
+        decoded = weight.decode_rows(start, stop)
+        if T <= ROWWISE_MAX:
+            for t in range(T):
+                out[t, start:stop] = rows_fn(*decoded, *(a[t : t + 1] for a in inputs))[0]
+        else:
+            out[:, start:stop] = rows_fn(*decoded, *inputs)
+    return out
+
+
+class ConcatOutputs:
+    """Several linears on the same input, outputs side by side (gate and up of different storage forms)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([p(x) for p in self.parts], axis=-1)
+
+
+class PermutedInput:
+    """A linear whose input columns come in another order: y = linear(x[:, order]).
+
+    GGUF files of qwen35 store DeltaNet value heads tiled; the model computes them grouped, so
+    out_proj (whose input is value heads) takes its input reordered instead of its blocks.
+    """
+
+    def __init__(self, linear, order: np.ndarray):
+        self.linear, self.order = linear, order
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.linear.shape
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.linear(x[:, self.order])
+
+
+@dataclass(frozen=True)
+class InputOrder:
+    """A weight whose input columns are stored in another order: the model's x is gathered by `order`."""
+
+    weight: object
+    order: np.ndarray
+
+
+def make_linear(weight, route: str):
+    """The route's Linear for a weight: fp32 arrays always run dense; quantized ones per route.
+
+    `bf16` runs quantized weights dequantized to fp32 (exact values), which isolates weight error
+    from activation rounding. The loader has already refused routes a checkpoint cannot run.
+    """
+    if isinstance(weight, InputOrder):
+        return PermutedInput(make_linear(weight.weight, route), weight.order)
+    if isinstance(weight, np.ndarray):
+        return DenseLinear(weight)
+    if route == "bf16":
+        return DenseLinear(weight.dequantize())
+    if route == "w4a16" and isinstance(weight, W4Weight):
+        return W4A16Linear(weight)
+    if route == "w4a8" and isinstance(weight, TrellisWeight):
+        return TrellisLinear(weight)
+    if route == "w4a8":
+        return W4A8Linear(weight)
+    raise ValueError(f"route {route} cannot run {type(weight).__name__}")
+
+
+def stacked_linear(parts: list, route: str):
+    """One Linear over weight matrices stacked by rows (gate then up): merged when they share a
+    storage form, else run side by side."""
+    if len(parts) == 1:
+        return make_linear(parts[0], route)
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return make_linear(np.concatenate(parts), route)
+    if all(isinstance(p, W4Weight) for p in parts):
+        return make_linear(W4Weight(np.concatenate([p.packed for p in parts]),
+                                    np.concatenate([p.scales for p in parts])), route)
+    if all(isinstance(p, BlockMatrix) and (p.qtype, p.K) == (parts[0].qtype, parts[0].K) for p in parts):
+        return make_linear(BlockMatrix(parts[0].qtype, np.concatenate([p.raw for p in parts]), parts[0].K), route)
+    return ConcatOutputs([make_linear(p, route) for p in parts])
+
+
+
+def resolve_route(requested: str, available: tuple[str, ...], description: str, source) -> str:
+    """`auto` -> the checkpoint's natural route (first of available); a route it cannot run -> one line."""
+    if requested == "auto":
+        return available[0]
+    if requested not in available:
+        others = " or ".join(available)
+        raise CheckpointError(source, f"route {requested} cannot run {description} weights; use --route {others}")
+    return requested

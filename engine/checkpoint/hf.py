@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.backend.cpu import DenseLinear
+from engine.backend.cpu import stacked_linear
 from engine.checkpoint.safetensors import SafetensorsCheckpoint
 from engine.config import FULL_ATTENTION, ModelConfig
 from engine.errors import CheckpointError
@@ -20,22 +20,25 @@ from engine.model import MLP, Attention, DecoderLayer, DeltaNet, Model, MoE, MTP
 Progress = Callable[[int, int], None]  # (bytes read so far, bytes to read)
 
 
-def load_hf_model(ckpt: SafetensorsCheckpoint, config: ModelConfig, progress: Progress | None = None) -> Model:
-    plan = TensorPlan(ckpt, config)
+def load_hf_model(ckpt: SafetensorsCheckpoint, config: ModelConfig, progress: Progress | None = None,
+                  route: str = "bf16", quantized=None) -> Model:
+    """quantized: the checkpoint's INT4 modules (engine/checkpoint/quantized.py), read instead of `.weight`."""
+    plan = TensorPlan(ckpt, config, quantized)
     tensors = plan.read_all(progress)
-    return _assemble(config, tensors, plan)
+    return _assemble(config, tensors, plan, route)
 
 
 class TensorPlan:
     """Which checkpoint tensors the model needs, with the shape each must have."""
 
-    def __init__(self, ckpt: SafetensorsCheckpoint, config: ModelConfig):
+    def __init__(self, ckpt: SafetensorsCheckpoint, config: ModelConfig, quantized=None):
         self.ckpt, self.config = ckpt, config
+        self.quantized = quantized if quantized is not None else {}
         names = ckpt.names()
         self.prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
         self.expected: dict[str, tuple[int, ...]] = {}
         self.fused_experts = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
-        self.has_mtp = config.mtp_num_hidden_layers > 0 and "mtp.fc.weight" in ckpt
+        self.has_mtp = config.mtp_num_hidden_layers > 0 and ("mtp.fc.weight" in ckpt or "mtp.fc.weight" in self.quantized)
         self._plan_model()
         self._check_headers()
 
@@ -119,6 +122,9 @@ class TensorPlan:
     def _check_headers(self) -> None:
         where = self.ckpt.model_dir
         for name, shape in self.expected.items():
+            if name in self.quantized:
+                self.quantized.check(name, shape)
+                continue
             if name not in self.ckpt:
                 raise CheckpointError(where, f"tensor {name} is missing; the checkpoint is incomplete or not a {self.config.model_type} model")
             info = self.ckpt.info(name)
@@ -129,29 +135,48 @@ class TensorPlan:
                 raise CheckpointError(self.ckpt.file_of(name),
                                       f"tensor {name} is {info.dtype}; this reader takes bf16/fp16/fp32 weights")
 
-    def read_all(self, progress: Progress | None) -> dict[str, np.ndarray]:
-        total = sum(self.ckpt.info(n).nbytes for n in self.expected)
+    def nbytes(self, name: str) -> int:
+        return self.quantized.nbytes(name) if name in self.quantized else self.ckpt.info(name).nbytes
+
+    def read_all(self, progress: Progress | None) -> dict:
+        """fp32 arrays, and quantized weights (W4Weight) for the checkpoint's INT4 modules."""
+        total = sum(self.nbytes(n) for n in self.expected)
         done, out = 0, {}
         for name in self.expected:
-            out[name] = self.ckpt.read_f32(name)
-            done += self.ckpt.info(name).nbytes
+            out[name] = self.quantized.read(name) if name in self.quantized else self.ckpt.read_f32(name)
+            done += self.nbytes(name)
             if progress:
                 progress(done, total)
         return out
 
 
-def _assemble(config: ModelConfig, t: dict[str, np.ndarray], plan: TensorPlan) -> Model:
-    def get(key: str) -> np.ndarray:
-        return t[plan.name(key)]
+class Weights:
+    """Model tensors by key (`layers.3.mlp.down_proj.weight`); `linear` builds a matrix's Linear for the route."""
 
+    def __init__(self, tensors: dict, plan: TensorPlan, route: str):
+        self.tensors, self.plan, self.route = tensors, plan, route
+
+    def __call__(self, key: str) -> np.ndarray:
+        return self.tensors[self.plan.name(key)]
+
+    def linear(self, *keys: str, expert: int | None = None, rows: np.ndarray | None = None):
+        """The matrices of keys stacked by rows, of one expert of a fused tensor, or some of its rows."""
+        parts = [self(key) if expert is None else self(key)[expert] for key in keys]
+        if rows is not None:
+            parts = [p[rows] if isinstance(p, np.ndarray) else p.take_rows(rows) for p in parts]
+        return stacked_linear(parts, self.route)
+
+
+def _assemble(config: ModelConfig, t: dict, plan: TensorPlan, route: str = "bf16") -> Model:
+    get = Weights(t, plan, route)
     layers = [_layer(config, get, f"layers.{i}.", kind, config.moe_layers[i], plan.fused_experts)
               for i, kind in enumerate(config.layer_types)]
     embed = get("embed_tokens.weight")
-    lm_head = DenseLinear(embed if config.tie_word_embeddings else get("lm_head.weight"))
+    lm_head = get.linear("embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
     mtp = None
     if plan.has_mtp:
         mtp = MTPHead(
-            fc=DenseLinear(get("mtp.fc.weight")),
+            fc=get.linear("mtp.fc.weight"),
             norm_embedding=1.0 + get("mtp.pre_fc_norm_embedding.weight"),
             norm_hidden=1.0 + get("mtp.pre_fc_norm_hidden.weight"),
             layer=_layer(config, get, "mtp.layers.0.", FULL_ATTENTION, config.is_moe, plan.fused_experts),
@@ -170,10 +195,10 @@ def _layer(c: ModelConfig, get, p: str, kind: str, moe: bool, fused_experts: boo
 
 def _attention(c: ModelConfig, get, p: str) -> Attention:
     return Attention(
-        q_proj=DenseLinear(get(p + "q_proj.weight")),
-        k_proj=DenseLinear(get(p + "k_proj.weight")),
-        v_proj=DenseLinear(get(p + "v_proj.weight")),
-        o_proj=DenseLinear(get(p + "o_proj.weight")),
+        q_proj=get.linear(p + "q_proj.weight"),
+        k_proj=get.linear(p + "k_proj.weight"),
+        v_proj=get.linear(p + "v_proj.weight"),
+        o_proj=get.linear(p + "o_proj.weight"),
         q_norm=1.0 + get(p + "q_norm.weight"),
         k_norm=1.0 + get(p + "k_norm.weight"),
         config=c,
@@ -182,55 +207,57 @@ def _attention(c: ModelConfig, get, p: str) -> Attention:
 
 def _deltanet(c: ModelConfig, get, p: str) -> DeltaNet:
     if c.fused_linear_projections:
-        qkv, z, b, a = _split_qwen3_next(c, get(p + "in_proj_qkvz.weight"), get(p + "in_proj_ba.weight"))
+        (qkv_rows, z_rows), (b_rows, a_rows) = _qwen3_next_rows(c)
+        qkvz, ba = p + "in_proj_qkvz.weight", p + "in_proj_ba.weight"
+        qkv, z = get.linear(qkvz, rows=qkv_rows), get.linear(qkvz, rows=z_rows)
+        b, a = get.linear(ba, rows=b_rows), get.linear(ba, rows=a_rows)
     else:
-        qkv, z = get(p + "in_proj_qkv.weight"), get(p + "in_proj_z.weight")
-        b, a = get(p + "in_proj_b.weight"), get(p + "in_proj_a.weight")
+        qkv, z = get.linear(p + "in_proj_qkv.weight"), get.linear(p + "in_proj_z.weight")
+        b, a = get.linear(p + "in_proj_b.weight"), get.linear(p + "in_proj_a.weight")
     return DeltaNet(
-        in_qkv=DenseLinear(qkv),
-        in_z=DenseLinear(z),
-        in_b=DenseLinear(b),
-        in_a=DenseLinear(a),
+        in_qkv=qkv,
+        in_z=z,
+        in_b=b,
+        in_a=a,
         conv=get(p + "conv1d.weight")[:, 0, :],
         decay_rate=-np.exp(get(p + "A_log")),
         dt_bias=get(p + "dt_bias"),
         norm=get(p + "norm.weight"),
-        out_proj=DenseLinear(get(p + "out_proj.weight")),
+        out_proj=get.linear(p + "out_proj.weight"),
         config=c,
     )
 
 
-def _split_qwen3_next(c: ModelConfig, qkvz: np.ndarray, ba: np.ndarray):
+def _qwen3_next_rows(c: ModelConfig):
     """Qwen3-Next groups rows per key head: [q dk | k dk | v r*dv | z r*dv] and [b r | a r], r = Hv/Hk.
 
-    Regroup into the Qwen3.5 layout (all q, all k, all v; z; b; a). Value head j of key group g
-    becomes head g*r + j, which is the repeat-interleave mapping the forward pass assumes.
+    Row indices that regroup them into the Qwen3.5 layout: ((all q, all k, all v), z) and (b, a).
+    Value head j of key group g becomes head g*r + j, the repeat-interleave mapping the forward
+    pass assumes.
     """
     hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    r, H = hv // hk, c.hidden_size
-    grouped = qkvz.reshape(hk, 2 * dk + 2 * r * dv, H)
+    r = hv // hk
+    grouped = np.arange(hk * (2 * dk + 2 * r * dv)).reshape(hk, -1)
     q, k, v, z = np.split(grouped, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
-    qkv = np.concatenate([q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)])
-    b, a = np.split(ba.reshape(hk, 2 * r, H), 2, axis=1)
-    return qkv, z.reshape(-1, H), b.reshape(-1, H), a.reshape(-1, H)
+    b, a = np.split(np.arange(2 * hv).reshape(hk, 2 * r), 2, axis=1)
+    return (np.concatenate([q.ravel(), k.ravel(), v.ravel()]), z.ravel()), (b.ravel(), a.ravel())
 
 
 def _mlp(get, p: str) -> MLP:
-    gate_up = np.concatenate([get(p + "gate_proj.weight"), get(p + "up_proj.weight")])
-    return MLP(DenseLinear(gate_up), DenseLinear(get(p + "down_proj.weight")))
+    return MLP(get.linear(p + "gate_proj.weight", p + "up_proj.weight"), get.linear(p + "down_proj.weight"))
 
 
 def _moe(c: ModelConfig, get, p: str, fused: bool) -> MoE:
     if fused:
-        gate_up, down = get(p + "experts.gate_up_proj"), get(p + "experts.down_proj")
-        experts = [MLP(DenseLinear(gate_up[e]), DenseLinear(down[e])) for e in range(c.num_experts)]
+        experts = [MLP(get.linear(p + "experts.gate_up_proj", expert=e), get.linear(p + "experts.down_proj", expert=e))
+                   for e in range(c.num_experts)]
     else:
         experts = [_mlp(get, f"{p}experts.{e}.") for e in range(c.num_experts)]
     return MoE(
-        router=DenseLinear(get(p + "gate.weight")),
+        router=get.linear(p + "gate.weight"),
         experts=experts,
         shared=_mlp(get, p + "shared_expert."),
-        shared_gate=DenseLinear(get(p + "shared_expert_gate.weight")),
+        shared_gate=get.linear(p + "shared_expert_gate.weight"),
         top_k=c.num_experts_per_tok,
         normalize=c.norm_topk_prob,
     )

@@ -1,0 +1,105 @@
+"""Trellis files: `duet convert --format trellis-K`, loading on the w4a8 route, KL, and bad files.
+
+The numpy encoder codes ~15 tiles (128 weights) a second here, so the model is the tiny one with
+intermediate_size 128: only down_proj (K = 128) is coded, 5 x 64 x 128 weights, 320 tiles. INT4
+converts the same matrices (its rule is K % 128 == 0 too), so their KL figures compare like for like.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from app.cli import main
+from app.convert import write_safetensors
+from conftest import build_reference, save_reference
+from engine import load_model
+from engine.backend.cpu import ROWWISE_MAX, TrellisLinear
+from engine.checkpoint.safetensors import SafetensorsFile
+from engine.quant import trellis
+from test_routes import decode, mean_kl
+
+PROMPT = [int(t) for t in np.random.default_rng(2).integers(0, 300, 24)]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trellis")
+    source = save_reference(build_reference("qwen3_5_text", seed=3, intermediate_size=128), root / "source")
+    paths = {"source": source}
+    for fmt in ("int4", "trellis-4"):
+        paths[fmt] = root / fmt
+        assert main(["convert", str(source), str(paths[fmt]), "--format", fmt]) == 0
+    return paths
+
+
+def test_file_metadata_and_tensors(converted):
+    file = SafetensorsFile(converted["trellis-4"] / "model.safetensors")
+    assert file.metadata["duet.format"] == "trellis" and file.metadata["duet.trellis.k"] == "4"
+    assert json.loads(file.metadata["duet.trellis.multipliers"]) == {str(k): c for k, c in trellis.MULTIPLIERS.items()}
+    codes = file.tensors["model.layers.0.mlp.down_proj.trellis_codes"]
+    assert (codes.dtype, codes.shape) == ("U8", (64 // 16 * 128 // 8, 64))
+    assert "model.layers.0.mlp.up_proj.weight" in file.tensors  # K = 64: kept 16-bit
+
+
+def test_loads_on_w4a8_and_beats_int4_on_kl(converted):
+    lm = load_model(converted["trellis-4"])
+    assert lm.route == "w4a8" and lm.routes == ("w4a8", "bf16")
+    expected = decode(load_model(converted["source"]), PROMPT)
+    forced = [int(t) for t in expected.argmax(axis=-1)]
+    kl_trellis = mean_kl(expected, decode(lm, PROMPT, forced))
+    kl_int4 = mean_kl(expected, decode(load_model(converted["int4"], route="w4a8"), PROMPT, forced))
+    print(f"mean KL(bf16 || route) on w4a8: trellis-4 {kl_trellis:.6f}, int4 g128 {kl_int4:.6f}")
+    assert kl_trellis < kl_int4
+
+
+def test_trellis_linear_matches_the_dequantized_weight_and_is_row_independent():
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((32, 256)).astype(np.float32)
+    x = rng.standard_normal((ROWWISE_MAX + 3, 256)).astype(np.float32)
+    coded = trellis.quantize_matrix(w, 3, seed=9, step=trellis.STEPS[3])
+    linear = TrellisLinear(coded)
+    y = linear(x)
+    reference = x @ coded.dequantize().T
+    assert np.abs(y - reference).max() < 0.02 * np.abs(reference).max()  # int8 activation rounding only
+    assert np.array_equal(linear(x[:ROWWISE_MAX])[3], linear(x[3:4])[0])
+
+
+def rewrite(src, dst, metadata=None, drop_tile=False):
+    """A copy of the trellis folder with its metadata changed or one tile cut off a matrix."""
+    shutil.copytree(src, dst)
+    file = SafetensorsFile(src / "model.safetensors")
+    tensors = {}
+    for name, info in file.tensors.items():
+        data = np.array(file.raw(name))
+        if drop_tile and name == "model.layers.1.mlp.down_proj.trellis_codes":
+            data = data[:-1]
+        tensors[name] = (info.dtype, data.shape, data.tobytes())
+    write_safetensors(dst / "model.safetensors", tensors, {**file.metadata, **(metadata or {})})
+    file.close()
+    return dst
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"duet.version": "7"}, "trellis metadata version '7' is not '1'"),
+    ({"duet.trellis.k": "5"}, "duet.trellis.k '5' is not one of 2, 3, 4"),
+    ({"duet.trellis.seed": "x"}, "duet.trellis.seed 'x' is not a non-negative integer"),
+    ({"duet.trellis.multipliers": "{"}, "duet.trellis.multipliers has no multiplier for k=4"),
+    ({"duet.trellis.multipliers": json.dumps({"4": 12345})}, "multiplier 12345 for k=4 is not this duet's"),
+])
+def test_corrupt_metadata_is_one_line_exit_2(converted, tmp_path, capsys, change, message):
+    bad = rewrite(converted["trellis-4"], tmp_path / "bad", metadata=change)
+    assert main(["--headless", "the", "--raw", "--model", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "model.safetensors" in err
+
+
+def test_wrong_tile_count_is_one_line_exit_2(converted, tmp_path, capsys):
+    bad = rewrite(converted["trellis-4"], tmp_path / "bad", drop_tile=True)
+    assert main(["--headless", "the", "--raw", "--model", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "model.layers.1.mlp.down_proj.trellis_codes is U8 [63, 64]" in err and "(64 tiles)" in err
