@@ -100,25 +100,37 @@ def parse_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             prefix = handle.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(path, "file is truncated before its header; re-download it")
-            header_len = int.from_bytes(prefix, "little")
-            if header_len > min(MAX_HEADER_BYTES, size - 8):
-                raise CheckpointError(path, "header length runs past the end of the file; the file is truncated or not safetensors")
+            header_len = header_length(path, prefix, size)
             header_bytes = handle.read(header_len)
     except OSError as exc:
         raise CheckpointError(path, f"cannot read the file ({exc.strerror})") from None
+    return parse_header_bytes(path, header_bytes, size)
+
+
+def header_length(source: str | Path, prefix: bytes, size: int) -> int:
+    """The header length that the first 8 bytes of a file of `size` bytes announce, checked."""
+    header_len = int.from_bytes(prefix, "little")
+    if header_len > min(MAX_HEADER_BYTES, size - 8):
+        raise CheckpointError(source, "header length runs past the end of the file; the file is truncated or not safetensors")
+    return header_len
+
+
+def parse_header_bytes(source: str | Path, header_bytes: bytes, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The tensors and metadata of a header already read (from a file, or a range request), checked against `size`."""
+    header_len = len(header_bytes)
     try:
         header = json.loads(header_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(path, "header is not valid JSON; the file is corrupt, re-download it") from None
+        raise CheckpointError(source, "header is not valid JSON; the file is corrupt, re-download it") from None
     if not isinstance(header, dict):
-        raise CheckpointError(path, "header is not a JSON object; the file is corrupt, re-download it")
+        raise CheckpointError(source, "header is not a JSON object; the file is corrupt, re-download it")
     metadata = header.pop("__metadata__", None) or {}
     data_start = 8 + header_len
-    tensors = {name: _tensor_info(path, name, entry, data_start, size) for name, entry in header.items()}
+    tensors = {name: _tensor_info(source, name, entry, data_start, size) for name, entry in header.items()}
     return tensors, {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
 
 
-def _tensor_info(path: Path, name: str, entry, data_start: int, size: int) -> TensorInfo:
+def _tensor_info(path: str | Path, name: str, entry, data_start: int, size: int) -> TensorInfo:
     def bad(problem: str) -> CheckpointError:
         return CheckpointError(path, f"tensor {name}: {problem}; the file is corrupt, re-download it")
 
@@ -174,14 +186,9 @@ def _shard_paths(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     single = model_dir / "model.safetensors"
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            shard_names = sorted(set(weight_map.values()))
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise CheckpointError(index, "index is not valid JSON with a weight_map; re-download the model") from None
         paths = []
-        for shard in shard_names:
-            path = (model_dir / str(shard)).resolve()
+        for shard in shard_names(index, index.read_bytes()):
+            path = (model_dir / shard).resolve()
             if model_dir.resolve() not in path.parents:
                 raise CheckpointError(index, f"shard {shard!r} points outside the model folder; refusing to read it")
             if not path.exists():
@@ -194,3 +201,12 @@ def _shard_paths(model_dir: Path) -> list[Path]:
     if loose:
         return loose
     raise CheckpointError(model_dir, "no model.safetensors or model.safetensors.index.json here; point --model at a model folder")
+
+
+def shard_names(source: str | Path, index_bytes: bytes) -> list[str]:
+    """The shard files a model.safetensors.index.json names, sorted."""
+    try:
+        weight_map = json.loads(index_bytes)["weight_map"]
+        return sorted({str(shard) for shard in weight_map.values()})
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(source, "index is not valid JSON with a weight_map; re-download the model") from None

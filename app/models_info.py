@@ -1,0 +1,194 @@
+"""`duet models info`: the bill of bytes, the memory plan and the context budget, as a table or JSON.
+
+Everything comes from tensor headers (engine.checkpoint.headers): on the hub only the headers are
+fetched, never the weights. The figures are engine.placement's; this module only lays them out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from engine.checkpoint.headers import CheckpointHeaders, read_headers
+from engine.errors import DuetError
+from engine.placement import (
+    DEFAULT_ETA, EXPERTS, KV_TYPES, RESCORE_CANDIDATES, RTX_3090, SHORTLIST_ROWS, Assessment, Card, Settings, GB, GiB,
+    assess, attention_layers, describe_format, detect_card,
+)
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    plan = parser.add_argument_group("plan for a card (default: the GPU here, else an RTX 3090)")
+    plan.add_argument("--vram", type=float, metavar="GiB", help="card memory as sold (24 for an RTX 3090)")
+    plan.add_argument("--bandwidth", type=float, metavar="GB/s", help="card memory bandwidth (936 for an RTX 3090)")
+    plan.add_argument("--context", type=int, help="tokens of context to plan for (default: the model's longest)")
+    plan.add_argument("--kv", choices=KV_TYPES, default="bf16", help="KV cache type (default bf16)")
+    plan.add_argument("--host-tables", action="store_true",
+                      help="keep the bf16 embedding and rescoring head in host memory")
+    plan.add_argument("--depth", type=int, help="drafts a cycle (default: 3 with an MTP head, else 0)")
+    plan.add_argument("--eta", type=float, default=DEFAULT_ETA, help=f"share of peak bandwidth reached (default {DEFAULT_ETA})")
+    plan.add_argument("--tau", type=float, default=1.0, help="tokens committed a cycle (default 1)")
+
+
+def card_from(args: argparse.Namespace) -> tuple[Card, bool]:
+    """The card to plan for, and whether it was detected here. Flags override what is detected."""
+    detected = None if args.vram and args.bandwidth else detect_card()
+    base = detected or RTX_3090
+    vram = int(args.vram * GiB) if args.vram else base.vram
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth else base.bandwidth
+    name = base.name if (args.vram, args.bandwidth) == (None, None) else "card from --vram/--bandwidth"
+    return Card(name, vram, bandwidth), detected is not None
+
+
+def run_model_info(source: str, args: argparse.Namespace, patterns: tuple[str, ...] = ()) -> int:
+    for flag in ("vram", "bandwidth", "context", "depth", "eta", "tau"):
+        value = getattr(args, flag)
+        if value is not None and (value < 0 or (value == 0 and flag not in ("context", "depth"))):
+            raise DuetError(f"--{flag} {value}: must be {'zero or ' if flag in ('context', 'depth') else ''}positive")
+    headers = read_headers(source, patterns=patterns)
+    card, detected = card_from(args)
+    report = assess(headers, card, args.context, args.kv, args.host_tables, args.depth, args.eta, args.tau)
+    if args.json:
+        print(json.dumps(info_json(headers, report, detected)))
+    else:
+        print("\n".join(info_lines(headers, report)))
+    return 0
+
+
+# --- JSON: every figure, bytes as integers ----------------------------------------------------------
+
+def info_json(headers: CheckpointHeaders, r: Assessment, detected: bool) -> dict:
+    c, bill, plan = headers.config, r.bill, r.plan
+    return {
+        "source": headers.source,
+        "format": headers.format,
+        "weights_format": describe_format(headers),
+        "files": list(headers.files),
+        "file_bytes": headers.file_bytes,
+        "tensors": len(headers.tensors),
+        "model": {
+            "model_type": c.model_type, "layers": c.num_hidden_layers,
+            "deltanet_layers": c.layer_types.count("linear_attention"), "attention_layers": attention_layers(c),
+            "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "experts": c.num_experts,
+            "experts_per_token": c.num_experts_per_tok, "mtp_layers": c.mtp_num_hidden_layers,
+            "max_context": c.max_position_embeddings,
+        },
+        "card": {"name": plan.card.name, "vram_bytes": plan.card.vram, "bandwidth_bytes_per_s": plan.card.bandwidth,
+                 "detected": detected},
+        "settings": dataclasses.asdict(r.settings),
+        "weights": _weights_json(r.weights),
+        "bill": {
+            **{k: v for k, v in dataclasses.asdict(bill).items() if k not in ("context", "kv", "depth")},
+            "decoder_weights": bill.decoder_weights, "verify_pass": bill.verify_pass, "total": bill.total,
+        },
+        "plan": {"on_card": plan.on_card, "on_host": plan.on_host, "used": plan.used, "vram": plan.card.vram,
+                 "fits": plan.fits, "experts_on_card": plan.experts_on_card},
+        "max_context": {kv: {"tables_on_card": by[False], "host_tables": by[True]} for kv, by in r.max_context.items()},
+        "ceiling": {"eta": r.eta, "tau": r.tau, "bytes_per_cycle": bill.total,
+                    "cycles_per_s": r.ceiling_tok_s / r.tau, "tok_s": r.ceiling_tok_s},
+        "w4_repack": _weights_json(r.w4_repack) if r.w4_repack else None,
+        "alternatives": [{**dataclasses.asdict(a.settings), "used": a.used, "flags": _flags(a.settings, r.settings)}
+                         for a in r.alternatives],
+    }
+
+
+def _weights_json(w) -> dict:
+    return {**dataclasses.asdict(w), "decoder_weights": sum(w.decoder.values()), "shortlist": w.shortlist}
+
+
+# --- the table ----------------------------------------------------------------------------------------
+
+def info_lines(headers: CheckpointHeaders, r: Assessment) -> list[str]:
+    return [*_model_lines(headers), "", *_bill_lines(headers, r), "", *_plan_lines(r), "", *_budget_lines(r),
+            "", _ceiling_line(r)]
+
+
+def _model_lines(h: CheckpointHeaders) -> list[str]:
+    c = h.config
+    files = f"{len(h.files)} file{'s' if len(h.files) > 1 else ''}"
+    moe = f", {c.num_experts} experts ({c.num_experts_per_tok} routed a token)" if c.num_experts else ""
+    return [
+        f"{h.source} · {h.format}, {files}, {h.file_bytes / GB:.2f} GB, {len(h.tensors):,} tensors · {describe_format(h)}",
+        f"{c.model_type}: {c.num_hidden_layers} layers ({c.layer_types.count('linear_attention')} DeltaNet + "
+        f"{attention_layers(c)} attention){moe}, hidden {c.hidden_size:,}, vocab {c.vocab_size:,}, "
+        f"MTP layers {c.mtp_num_hidden_layers}, context up to {c.max_position_embeddings:,}",
+    ]
+
+
+def _row(label: str, value: float, unit: float = GB, digits: int = 3) -> str:
+    return f"  {label:<66}{value / unit:>9.{digits}f}"
+
+
+def _bill_lines(h: CheckpointHeaders, r: Assessment) -> list[str]:
+    b, w, s, c = r.bill, r.weights, r.settings, h.config
+    drafts = f"{s.depth} MTP drafts (a verify pass of {s.depth + 1} rows)" if s.depth else "no drafts"
+    head = (f"lm_head, int4 copy ({c.vocab_size:,} x {c.hidden_size:,}; top {RESCORE_CANDIDATES} rescored in bf16)"
+            if w.int4_head else f"lm_head ({c.vocab_size:,} x {c.hidden_size:,}, as stored)")
+    kinds = " · ".join(f"{k} {v / GB:.3f}" for k, v in b.decoder.items() if v)
+    lines = [
+        f"Bytes one cycle reads, GB: {drafts}, KV {s.kv} at {s.context:,} tokens",
+        _row("decoder weights" + (" (routed experts: those the rows route to)" if b.decoder[EXPERTS] else ""), b.decoder_weights),
+        f"    {kinds}",
+        _row(head, b.lm_head),
+        _row("embedding rows and rescored candidates' rows", b.lookups),
+        _row("DeltaNet state, read and written", b.deltanet_state),
+        _row("conv state, read and written", b.conv_state),
+        _row(f"KV cache, {attention_layers(c)} attention layers", b.kv_cache),
+        _row("= verify pass", b.verify_pass),
+    ]
+    if s.depth:
+        lines += [
+            _row(f"MTP drafting: {s.depth} x (MTP layer + {SHORTLIST_ROWS:,}-row shortlist head)", b.drafting),
+            _row(f"MTP KV cache, {s.depth} x {c.mtp_num_hidden_layers if b.drafting else 0} layer", b.drafting_kv),
+            _row(f"rollback snapshots: {s.depth} more DeltaNet and conv states written", b.snapshots),
+            _row("= one cycle", b.total),
+        ]
+    lines.append("  not read:")
+    lines += [_row(f"  {k}", v) for k, v in b.not_read.items()]
+    return lines
+
+
+def _plan_lines(r: Assessment) -> list[str]:
+    p = r.plan
+    lines = [f"Memory on the card, GiB: {p.card.name}, {p.card.vram / GiB:.2f} GiB, {p.card.bandwidth / 1e9:.0f} GB/s"]
+    lines += [_row(k, v, GiB, 2) for k, v in p.on_card.items()]
+    verdict = "fits" if p.fits else "does not fit"
+    lines.append(_row(f"= in use, of {p.card.vram / GiB:.2f}: {verdict}", p.used, GiB, 2))
+    if p.experts_on_card is not None:
+        lines.append(f"  routed experts on the card: {p.experts_on_card:.0%}"
+                     + (" (the rest run from host memory, not counted in the ceiling below)" if p.experts_on_card < 1 else ""))
+    if p.on_host:
+        lines.append("  in host memory: " + " · ".join(f"{k} {v / GiB:.2f} GiB" for k, v in p.on_host.items()))
+    if not p.fits:
+        lines.append("  what would fit:" if r.alternatives else "  nothing fits this card, even with q4 KV and host tables")
+        lines += [f"    {_flags(a.settings, r.settings):<30}{a.settings.context:>9,} tokens, {a.used / GiB:.2f} GiB"
+                  for a in r.alternatives]
+    return lines
+
+
+def _flags(s: Settings, asked: Settings) -> str:
+    flags = []
+    if s.context != asked.context:
+        flags.append(f"--context {s.context}")
+    if s.kv != asked.kv:
+        flags.append(f"--kv {s.kv}")
+    if s.host_tables != asked.host_tables:
+        flags.append("--host-tables")
+    if s.w4 != asked.w4:
+        flags.append("W4 repack (duet convert)")
+    return " ".join(flags)
+
+
+def _budget_lines(r: Assessment) -> list[str]:
+    return [
+        f"Longest context that fits ({r.settings.depth} drafts)".ljust(36) + "".join(f"{kv:>10}" for kv in KV_TYPES),
+        "  tables on the card".ljust(36) + "".join(f"{r.max_context[kv][False]:>10,}" for kv in KV_TYPES),
+        "  --host-tables".ljust(36) + "".join(f"{r.max_context[kv][True]:>10,}" for kv in KV_TYPES),
+    ]
+
+
+def _ceiling_line(r: Assessment) -> str:
+    card, g = r.plan.card, r.bill.total
+    return (f"Ceiling: {r.eta:g} x {card.bandwidth / 1e9:.0f} GB/s / {g / GB:.3f} GB = {r.ceiling_tok_s / r.tau:.1f} cycles/s;"
+            f" x tau {r.tau:g} = {r.ceiling_tok_s:.1f} tok/s")
