@@ -3,6 +3,9 @@
     duet [--model M]                      the chat UI
     duet --headless PROMPT [options]      one prompt, text to stdout, stats to stderr
     duet bench decode --model DIR         benchmarks
+    duet models {list,pull,rm,info,import} the catalog, downloads and models on disk
+    duet --paths                          where config, conversations and models live
+    duet convert SRC DST --format F       a HF checkpoint to INT4 safetensors or GGUF
 
 User errors (DuetError, bad arguments) print one line on stderr and exit 2; Ctrl-C exits 130.
 """
@@ -16,7 +19,7 @@ from engine.errors import DuetError
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
-SUBCOMMANDS = ("bench",)
+SUBCOMMANDS = ("bench", "models", "convert")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -40,9 +43,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_main(argv: list[str]) -> int:
-    args = main_parser().parse_args(argv)
+    parser = main_parser()
+    args = parser.parse_args(argv)
+    if args.paths:
+        return print_paths()
     if args.headless is None:
-        raise DuetError("the chat UI is not in this build yet; run duet --headless PROMPT")
+        from app.ui.app import run_ui
+
+        return run_ui(args, parser)
     from app.headless import run_headless
 
     return run_headless(args)
@@ -55,6 +63,14 @@ def _run_subcommand(argv: list[str]) -> int:
     from app.bench import add_bench_commands
 
     add_bench_commands(bench)
+    models = commands.add_parser("models", help="the model catalog, downloads and models on disk")
+    from app.models_cli import add_models_commands
+
+    add_models_commands(models)
+    convert = commands.add_parser("convert", help="convert a HF checkpoint to INT4 safetensors or GGUF")
+    from app.convert import add_convert_command
+
+    add_convert_command(convert)
     args = parser.parse_args(argv)
     return args.run(args)
 
@@ -63,14 +79,17 @@ def main_parser() -> OneLineParser:
     parser = OneLineParser(
         prog="duet",
         description="Chat with Qwen3.5-family models. Without --headless, opens the chat UI.",
-        epilog="Also: duet bench decode --model DIR",
+        epilog="Also: duet models {list,pull,rm,info,import} · duet convert SRC DST --format FORMAT · "
+               "duet bench {decode,spec,quality,routes,trellis,make-random} (each with --help)",
     )
     parser.add_argument("--model", help="model folder (default: the bundled demo model)")
-    parser.add_argument("--route", choices=["auto", "bf16"], default="auto",
-                        help="kernel route; auto picks the checkpoint's natural one")
+    parser.add_argument("--route", choices=["auto", "bf16", "w4a16", "w4a8"], default="auto",
+                        help="kernel route: auto picks the checkpoint's natural one (bf16 for float weights, "
+                             "w4a16 for INT4 safetensors, w4a8 for quantized GGUF)")
     parser.add_argument("--accept", choices=["exact", "lossy"], default="exact",
                         help="speculative acceptance: exact keeps the model's distribution, lossy keeps more drafts")
     parser.add_argument("--headless", metavar="PROMPT", help="answer one prompt without the UI and exit")
+    parser.add_argument("--paths", action="store_true", help="print where duet keeps config, conversations and models")
     parser.add_argument("--raw", action="store_true", help="tokenize the prompt as is, no chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout at the end")
     parser.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
@@ -90,6 +109,15 @@ def main_parser() -> OneLineParser:
     sampling.add_argument("--presence-penalty", type=float, default=0.0)
     sampling.add_argument("--seed", type=int, help="seed for sampling (reproducible runs)")
     return parser
+
+
+def print_paths() -> int:
+    from app.settings import user_paths
+
+    paths = user_paths()
+    print(f"config         {paths.config_file}\nconversations  {paths.database}\n"
+          f"models         {paths.models_dir}\nexports        {paths.exports_dir}")
+    return 0
 
 
 if __name__ == "__main__":

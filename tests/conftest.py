@@ -168,3 +168,14 @@ def save_reference(model, model_dir: Path, with_tokenizer: bool = True) -> Path:
 def tiny_model_dir(tmp_path) -> Path:
     """A complete tiny qwen3_5_text folder (weights, config, tokenizer): what the CLI loads."""
     return save_reference(build_reference("qwen3_5_text"), tmp_path / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The same tiny model built once per run, for tests that only read it."""
+    return save_reference(build_reference("qwen3_5_text"), tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"

@@ -1,0 +1,129 @@
+"""`duet models {list,pull,rm,info,import}`: the models screen's work without the UI."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from pathlib import Path
+
+from app.catalog import (
+    clear_stale_staging, delete_model, find_in_catalog, find_local, human_size, import_model, load_catalog, local_models,
+)
+from app.downloads import DownloadProgress, download_model, remote_model
+from app.models_info import add_plan_arguments, run_model_info
+from app.settings import user_paths
+from engine.errors import DuetError
+
+EXIT_INTERRUPTED = 130
+
+
+def add_models_commands(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="models_command", required=True, metavar="COMMAND")
+    listing = commands.add_parser("list", help="the catalog and the models on disk")
+    listing.set_defaults(run=run_list)
+    pull = commands.add_parser("pull", help="download a catalog model or any hub repo (verified, then registered)")
+    pull.add_argument("name", help="catalog name or hub repo id (owner/name)")
+    pull.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                      help="only files matching this glob (repeatable; default: the catalog's, else model files)")
+    pull.add_argument("--revision", help="branch, tag or commit (default: main)")
+    pull.set_defaults(run=run_pull)
+    remove = commands.add_parser("rm", help="delete a model from disk and say how much was freed")
+    remove.add_argument("name", help="name from duet models list")
+    remove.set_defaults(run=run_rm)
+    info = commands.add_parser("info", help="bytes per pass, memory plan and context budget, from tensor headers only")
+    info.add_argument("name", help="a model folder or GGUF file, a name from duet models list, or a hub repo id")
+    info.add_argument("--json", action="store_true", help="print one JSON object with every figure")
+    add_plan_arguments(info)
+    info.set_defaults(run=run_info)
+    importing = commands.add_parser("import", help="check a model folder, then add it to duet's models")
+    importing.add_argument("path", help="a model folder (config.json, tokenizer, safetensors)")
+    importing.add_argument("--name", help="name in the models dir (default: the folder's name)")
+    importing.set_defaults(run=run_import)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    models_dir = user_paths().models_dir
+    local = local_models(models_dir)
+    on_disk = {m.repo.lower() for m in local if m.repo} | {m.name.lower() for m in local}
+    print("catalog (duet models pull NAME)")
+    for entry in load_catalog():
+        here = "on disk" if entry.name.lower() in on_disk or entry.repo.lower() in on_disk else ""
+        made_by = " (community)" if entry.community else ""
+        print(f"  {entry.name:<20} {entry.params:<9} {entry.format:<8} {(entry.repo or 'ships with duet') + made_by:<58} {here}")
+    print(f"on disk ({models_dir})")
+    for model in local:
+        print(f"  {model.name:<40} {model.where:<9} {human_size(model.size):>9}  {model.path}")
+    if not local:
+        print("  (none)")
+    return 0
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    models_dir = user_paths().models_dir
+    clear_stale_staging(models_dir)
+    entry = find_in_catalog(args.name, load_catalog())
+    if entry is not None and entry.bundled:
+        raise DuetError(f"{entry.name} ships with duet; nothing to download")
+    repo = entry.repo if entry else args.name
+    if "/" not in repo:
+        raise DuetError(f"{args.name}: not in the catalog and not a hub repo id (owner/name); see duet models list")
+    patterns = tuple(args.include) or (entry.files if entry else ())
+    remote = remote_model(repo, patterns, args.revision)
+    print(f"{repo}: {len(remote.files)} files, {human_size(remote.size)}", file=sys.stderr)
+    cancel = threading.Event()
+    try:
+        model = download_model(remote, models_dir, ProgressLine(sys.stderr), cancel)
+    except KeyboardInterrupt:
+        print("\ndownload interrupted; nothing was kept", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"\n{model.name}: {human_size(model.size)} in {model.path}", file=sys.stderr)
+    return 0
+
+
+def run_rm(args: argparse.Namespace) -> int:
+    model = find_local(args.name, user_paths().models_dir)
+    if model is None:
+        raise DuetError(f"{args.name}: no model of that name on disk; see duet models list")
+    freed = delete_model(model)
+    print(f"deleted {model.name}; freed {human_size(freed)}")
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """A path, then a model on disk, then a catalog entry (on the hub), then a hub repo id."""
+    if Path(args.name).expanduser().exists():
+        return run_model_info(args.name, args)
+    model = find_local(args.name, user_paths().models_dir)
+    if model is not None:
+        return run_model_info(str(model.path), args)
+    entry = find_in_catalog(args.name, load_catalog())
+    if entry is not None and entry.repo:
+        return run_model_info(entry.repo, args, entry.files)
+    if "/" in args.name:
+        return run_model_info(args.name, args)
+    raise DuetError(f"{args.name}: not a model folder or file, a model on disk, a catalog name or a hub repo id")
+
+
+def run_import(args: argparse.Namespace) -> int:
+    model = import_model(Path(args.path), user_paths().models_dir, args.name)
+    print(f"imported {model.name}: {human_size(model.size)} in {model.path}")
+    return 0
+
+
+class ProgressLine:
+    """Download progress redrawn on one terminal line; a line per finished file elsewhere."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def __call__(self, p: DownloadProgress) -> None:
+        if self.tty:
+            eta = f" · {p.eta_seconds:.0f} s left" if p.eta_seconds is not None else ""
+            self.stream.write(f"\r\033[K{p.filename} {human_size(p.file_done)}/{human_size(p.file_total)} · "
+                              f"all {p.done / p.total if p.total else 1:.0%} of {human_size(p.total)} · "
+                              f"{human_size(p.bytes_per_second)}/s{eta}")
+        elif p.file_done == p.file_total:
+            self.stream.write(f"{p.filename}: {human_size(p.file_total)}\n")
+        self.stream.flush()

@@ -1,0 +1,272 @@
+"""ChatSession: one conversation + a loaded model + its chat template -> a stream of reply events.
+
+The UI talks to the engine only through this module. `stream_reply` runs in a worker thread: it
+renders the conversation, runs the engine's generator, coalesces its per-cycle events into chunks
+at most every `BATCH_SECONDS` (the UI gets a few posted messages a second, never one per token),
+and saves the reply when it ends, stopped or not. The context budget is checked before anything is
+sent: a conversation that no longer fits raises ContextFull, and the user chooses what to drop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.settings import Config
+from app.store import Conversation, Message, Store
+from engine import Finished, GenerateOptions, LoadedModel, SamplingParams, Stats, Switches, Tokens, generate
+from engine.errors import DuetError
+
+BATCH_SECONDS = 0.05
+WARN_SHARE = 0.8  # the context meter warns from this share of the budget on
+TITLE_CHARS = 48
+DEFAULT_TITLE = "New chat"
+
+
+class ContextFull(DuetError):
+    """The conversation plus the new message does not fit the context budget."""
+
+    def __init__(self, needed: int, budget: int):
+        self.needed, self.budget = needed, budget
+        super().__init__(f"the conversation needs {needed:,} tokens but the context budget is {budget:,}; "
+                         "start a new conversation or drop the oldest turns")
+
+
+@dataclass(frozen=True)
+class Readout:
+    """The figures the readout panel shows, copied out of the engine's running stats."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_tok_s: float = 0.0
+    decode_tok_s: float = 0.0
+    recent_tok_s: float = 0.0  # over the last chunk only: what the sparkline plots
+    first_token_s: float | None = None
+    tokens_per_cycle: float = 0.0
+    drafted: int = 0
+    acceptance_rate: float | None = None  # None when nothing was drafted
+    accept_by_position: tuple[float, ...] = ()
+    n_lossy: int = 0
+
+    @classmethod
+    def of(cls, stats: Stats, recent_tok_s: float, first_token_s: float | None) -> Readout:
+        figures = stats.to_dict()
+        return cls(
+            prompt_tokens=figures["prompt_tokens"], generated_tokens=figures["generated_tokens"],
+            prefill_tok_s=figures["prefill_tok_s"], decode_tok_s=figures["decode_tok_s"],
+            recent_tok_s=recent_tok_s, first_token_s=first_token_s,
+            tokens_per_cycle=figures["tokens_per_cycle"], drafted=figures["drafted"],
+            acceptance_rate=figures["acceptance_rate"] if figures["drafted"] else None,
+            accept_by_position=tuple(figures["accept_by_position"]), n_lossy=figures["n_lossy"],
+        )
+
+    @classmethod
+    def of_saved(cls, stats: dict) -> Readout:
+        """The readout of a saved reply (its stats JSON)."""
+        drafted = stats.get("drafted", 0)
+        return cls(
+            prompt_tokens=stats.get("prompt_tokens", 0), generated_tokens=stats.get("generated_tokens", 0),
+            prefill_tok_s=stats.get("prefill_tok_s", 0.0), decode_tok_s=stats.get("decode_tok_s", 0.0),
+            recent_tok_s=stats.get("decode_tok_s", 0.0), first_token_s=stats.get("first_token_s"),
+            tokens_per_cycle=stats.get("tokens_per_cycle", 0.0), drafted=drafted,
+            acceptance_rate=stats.get("acceptance_rate") if drafted else None,
+            accept_by_position=tuple(stats.get("accept_by_position", ())), n_lossy=stats.get("n_lossy", 0),
+        )
+
+
+@dataclass(frozen=True)
+class ReplyChunk:
+    """New reply text since the previous chunk, and the figures so far."""
+
+    text: str
+    readout: Readout
+
+
+@dataclass(frozen=True)
+class ReplyDone:
+    """The reply ended (finish_reason stop, length, context or cancelled) and is saved as `message`."""
+
+    message: Message
+    readout: Readout
+
+
+@dataclass
+class ChatSession:
+    """A conversation with a loaded model. `switches` may be flipped while a reply streams."""
+
+    store: Store
+    conversation: Conversation
+    lm: LoadedModel
+    context_budget: int
+    switches: Switches = field(default_factory=Switches)
+
+    @property
+    def route(self) -> str:
+        return self.lm.route
+
+    def messages(self) -> list[Message]:
+        return self.store.messages(self.conversation.id)
+
+    def refresh(self) -> None:
+        self.conversation = self.store.conversation(self.conversation.id)
+
+    # ---- context ----
+
+    def prompt_ids(self, messages: list[Message], new_text: str | None = None) -> list[int]:
+        """Token ids of the prompt for the in-context messages (and a message about to be sent)."""
+        chat = [{"role": "system", "content": self.conversation.system_prompt}] if self.conversation.system_prompt else []
+        chat += [{"role": m.role, "content": m.content} for m in messages if m.in_context]
+        if new_text is not None:
+            chat.append({"role": "user", "content": new_text})
+        tokenizer = self.lm.tokenizer
+        return tokenizer.encode(tokenizer.render_chat(chat, add_generation_prompt=True))
+
+    def context_used(self) -> int:
+        return len(self.prompt_ids(self.messages()))
+
+    def check_fits(self, text: str) -> int:
+        """Tokens the prompt with `text` needs; raises ContextFull when that leaves no room to reply."""
+        needed = len(self.prompt_ids(self.messages(), text))
+        if needed >= self.context_budget:
+            raise ContextFull(needed, self.context_budget)
+        return needed
+
+    def drop_oldest_turns(self, text: str) -> int:
+        """Leave the oldest turns out of the context until `text` fits in half the budget; returns how many."""
+        messages = [m for m in self.messages() if m.in_context]
+        dropped: list[int] = []
+        while messages and len(self.prompt_ids(messages, text)) > self.context_budget // 2:
+            turn = _oldest_turn(messages)
+            dropped += [m.id for m in turn]
+            messages = messages[len(turn):]
+        if len(self.prompt_ids(messages, text)) >= self.context_budget:
+            raise DuetError("this message alone is longer than the context budget; shorten it")
+        self.store.drop_from_context(dropped)
+        return len(dropped)
+
+    # ---- sending ----
+
+    def add_user_message(self, text: str) -> Message:
+        """Save the user's message (after check_fits); the first one also titles the conversation."""
+        text = text.strip()
+        if not text:
+            raise DuetError("the message is empty; type something first")
+        if self.conversation.title == DEFAULT_TITLE and not self.messages():
+            self.store.rename(self.conversation.id, _title_from(text))
+            self.refresh()
+        return self.store.add_message(self.conversation.id, "user", text)
+
+    def reopen_last_turn(self) -> None:
+        """Delete the last reply, if any, so the last user message can be answered again."""
+        messages = self.messages()
+        if messages and messages[-1].role == "assistant":
+            self.store.delete_message(messages.pop().id)
+        if not messages:
+            raise DuetError("there is nothing to regenerate; send a message first")
+
+    def stream_reply(self, options: GenerateOptions, cancel: threading.Event,
+                     batch_seconds: float = BATCH_SECONDS) -> Iterator[ReplyChunk | ReplyDone]:
+        """Reply to the conversation as it is saved; run in a worker thread. Saves the reply at the end."""
+        messages = self.messages()
+        if not messages or messages[-1].role != "user":
+            raise DuetError("the conversation does not end with a message to answer")
+        prompt_ids = self.prompt_ids(messages)
+        started = time.perf_counter()
+        batcher = _Batcher(started, batch_seconds)
+        for event in generate(self.lm, prompt_ids, options, cancel=cancel, switches=self.switches):
+            if isinstance(event, Tokens):
+                chunk = batcher.add(event)
+                if chunk:
+                    yield chunk
+            elif isinstance(event, Finished):
+                if batcher.pending:
+                    yield batcher.flush(event.stats)
+                yield ReplyDone(self._save_reply(batcher, event), batcher.readout(event.stats))
+
+    def _save_reply(self, batcher: _Batcher, finished: Finished) -> Message:
+        stats = finished.stats.to_dict() | {"first_token_s": batcher.first_token_s, "drafter": finished.drafter}
+        return self.store.add_message(
+            self.conversation.id, "assistant", "".join(batcher.text), model=self.lm.name, route=self.route,
+            accept=self.switches.accept, stats=stats, finish_reason=finished.finish_reason)
+
+
+def available_routes(lm: LoadedModel) -> tuple[str, ...]:
+    """Routes the loaded checkpoint can run, the one it runs first."""
+    return (lm.route, *(route for route in lm.routes if route != lm.route))
+
+
+@dataclass(frozen=True)
+class EngineChoices:
+    """What the command line chose for the engine this run (`--draft`, `--depth`, `--kv`)."""
+
+    draft: str = "auto"
+    depth: int | None = None
+    kv: str = "full"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a chat UI run starts with: the model, its route, the context budget and the engine choices."""
+
+    model_path: Path
+    route: str = "auto"
+    context: int | None = None
+    choices: EngineChoices = field(default_factory=EngineChoices)
+    accept: str = "exact"
+
+
+def reply_options(config: Config, context_budget: int, choices: EngineChoices, accept: str) -> GenerateOptions:
+    """Engine options for a reply from the user's settings and this run's engine choices."""
+    sampling = SamplingParams(
+        temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
+        repetition_penalty=config.repetition_penalty, seed=None if config.seed < 0 else config.seed)
+    return GenerateOptions(max_tokens=config.max_tokens, sampling=sampling, context=context_budget,
+                           draft=choices.draft, depth=choices.depth, kv=choices.kv, accept=accept)
+
+
+class _Batcher:
+    """Coalesces per-cycle events into chunks no more often than every `batch_seconds`."""
+
+    def __init__(self, started: float, batch_seconds: float):
+        self.started, self.batch_seconds = started, batch_seconds
+        self.text: list[str] = []
+        self.pending: list[str] = []
+        self.first_token_s: float | None = None
+        self._last_time, self._last_tokens, self._recent_tok_s = started, 0, 0.0
+
+    def add(self, event: Tokens) -> ReplyChunk | None:
+        now = time.perf_counter()
+        self.text.append(event.text)
+        self.pending.append(event.text)
+        if self.first_token_s is None:  # the first token goes out at once: it is the time to first token
+            self.first_token_s = now - self.started
+            self._last_time, self._last_tokens = now, event.stats.generated_tokens
+            return self.flush(event.stats)
+        if now - self._last_time < self.batch_seconds:
+            return None
+        self._recent_tok_s = (event.stats.generated_tokens - self._last_tokens) / (now - self._last_time)
+        self._last_time, self._last_tokens = now, event.stats.generated_tokens
+        return self.flush(event.stats)
+
+    def flush(self, stats: Stats) -> ReplyChunk:
+        text, self.pending = "".join(self.pending), []
+        return ReplyChunk(text, self.readout(stats))
+
+    def readout(self, stats: Stats) -> Readout:
+        return Readout.of(stats, self._recent_tok_s, self.first_token_s)
+
+
+def _oldest_turn(messages: list[Message]) -> list[Message]:
+    """The first message and the replies that follow it, up to the next user message."""
+    end = 1
+    while end < len(messages) and messages[end].role == "assistant":
+        end += 1
+    return messages[:end]
+
+
+def _title_from(text: str) -> str:
+    words = " ".join(text.split())
+    return words if len(words) <= TITLE_CHARS else words[: TITLE_CHARS - 1].rstrip() + "…"

@@ -1,0 +1,447 @@
+"""The chat screen: conversations on the left, the conversation in the middle, readouts on the right.
+
+The model loads and replies generate in thread workers; they reach this screen as posted messages
+(load progress throttled, reply text batched by ChatSession), so keys work while a reply streams.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from functools import partial
+from pathlib import Path
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Input, Label, ListView, ProgressBar, Select, Switch
+from textual.worker import get_current_worker
+
+from app.session import (
+    ChatSession, ContextFull, Launch, Readout, ReplyChunk, ReplyDone, available_routes, reply_options,
+)
+from app.store import export_json, export_markdown
+from app.ui.screens.dialogs import Confirm, ContextFullChoice, ExportChoice, ReplySettings, TextPrompt
+from app.ui.screens.models import ModelsScreen
+from app.ui.widgets.conversation_list import ConversationItem, ConversationList
+from app.ui.widgets.message_view import MessageView, displayable
+from app.ui.widgets.readouts import ContextMeter, Readouts, SwitchPanel
+from engine import LoadedModel, LoadProgress, Switches, load_model
+from engine.errors import DuetError
+
+LOAD_PROGRESS_STEP = 0.02  # post load progress at most every 2% of the bytes
+QUIT_WAIT_SECONDS = 5.0  # on quit, how long to wait for a stopped reply to be saved
+
+
+class ChatScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", id="chat.stop"),
+        Binding("ctrl+n", "new_conversation", "New", id="chat.new"),
+        Binding("ctrl+r", "regenerate", "Regenerate", id="chat.regenerate"),
+        Binding("f2", "rename", "Rename", id="chat.rename"),
+        Binding("f8", "delete", "Delete", id="chat.delete"),
+        Binding("ctrl+s", "settings", "Settings", id="chat.settings"),
+        Binding("ctrl+o", "export", "Export", id="chat.export"),
+        Binding("ctrl+t", "toggle_accept", "Exact/lossy", id="chat.accept"),
+        Binding("ctrl+b", "toggle_sidebar", "Chats", id="chat.sidebar"),
+        Binding("f3", "models", "Models", id="chat.models"),
+    ]
+
+    class Streamed(Message):
+        def __init__(self, event: ReplyChunk | ReplyDone):
+            super().__init__()
+            self.event = event
+
+    class ReplyFailed(Message):
+        def __init__(self, error: str):
+            super().__init__()
+            self.error = error
+
+    class LoadProgressed(Message):
+        def __init__(self, share: float):
+            super().__init__()
+            self.share = share
+
+    class ModelLoaded(Message):
+        def __init__(self, lm: LoadedModel):
+            super().__init__()
+            self.lm = lm
+
+    class LoadFailed(Message):
+        def __init__(self, error: str):
+            super().__init__()
+            self.error = error
+
+    def __init__(self, launch: Launch):
+        super().__init__()
+        self.model_path, self.route, self.context = launch.model_path, launch.route, launch.context
+        self.choices, self.accept = launch.choices, launch.accept
+        self.lm: LoadedModel | None = None
+        self.session: ChatSession | None = None
+        self.conversation_id: int | None = None
+        self.cancel: threading.Event | None = None  # set while a reply streams
+        self.reply_saved = threading.Event()
+        self.reply_view: MessageView | None = None
+        self.reply_stream = None
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal():
+            yield ConversationList(id="conversations")
+            with Vertical(id="chat"):
+                yield ProgressBar(total=1.0, show_eta=False, id="loading")
+                yield VerticalScroll(id="messages")
+                yield Input(placeholder="Message duet · Enter sends · Esc stops a reply", id="prompt")
+            with Vertical(id="panel"):
+                yield Label("no model", id="model-name")
+                yield Readouts(id="readouts")
+                yield SwitchPanel(id="switches")
+                yield ContextMeter(id="context")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        self.query_one("#messages", VerticalScroll).anchor()
+        conversations = self.app.store.conversations()
+        if conversations:
+            await self.open_conversation(conversations[0].id)
+        await self.show_conversations()
+        self.query_one(SwitchPanel).set_accept(self.accept)
+        self.query_one("#prompt", Input).focus()
+        self.start_loading(self.model_path, self.route)
+
+    @property
+    def streaming(self) -> bool:
+        return self.cancel is not None
+
+    # ---- loading the model ----
+
+    def start_loading(self, path: Path, route: str) -> None:
+        self.query_one("#loading", ProgressBar).update(progress=0)
+        self.query_one("#loading").display = True
+        self.query_one("#model-name", Label).update(f"loading {path.name}…")
+        self.load_model_in_background(path, route)
+
+    @work(thread=True, exclusive=True, group="load")
+    def load_model_in_background(self, path: Path, route: str) -> None:
+        report = _throttled(lambda share: self.post_message(self.LoadProgressed(share)))
+        try:
+            lm = load_model(path, progress=report, route=route)
+        except DuetError as error:
+            self.post_message(self.LoadFailed(str(error)))
+            return
+        if not get_current_worker().is_cancelled:  # a later choice of model supersedes this one
+            self.post_message(self.ModelLoaded(lm))
+
+    def on_chat_screen_load_progressed(self, message: LoadProgressed) -> None:
+        self.query_one("#loading", ProgressBar).update(progress=message.share)
+
+    def on_chat_screen_load_failed(self, message: LoadFailed) -> None:
+        self.query_one("#loading").display = False
+        self.query_one("#model-name", Label).update("no model · F3 to pick one")
+        self.notify(message.error, title="Could not load the model", severity="error", timeout=10)
+
+    def on_chat_screen_model_loaded(self, message: ModelLoaded) -> None:
+        self.lm, self.model_path, self.route = message.lm, message.lm.path, message.lm.route
+        self.query_one("#loading").display = False
+        self.query_one("#model-name", Label).update(f"{self.lm.name} · {self.budget:,} tokens")
+        self.query_one(SwitchPanel).set_routes(available_routes(self.lm), self.lm.route)
+        self.session = self.new_session(self.conversation_id) if self.conversation_id is not None else None
+        self.update_context_meter()
+
+    @property
+    def budget(self) -> int:
+        return self.context or self.lm.config.max_position_embeddings
+
+    def new_session(self, conversation_id: int) -> ChatSession:
+        conversation = self.app.store.conversation(conversation_id)
+        return ChatSession(self.app.store, conversation, self.lm, self.budget, Switches(self.accept))
+
+    # ---- conversations ----
+
+    async def show_conversations(self) -> None:
+        await self.query_one(ConversationList).show(self.app.store.conversations(), self.conversation_id)
+
+    async def open_conversation(self, conversation_id: int | None) -> None:
+        self.conversation_id = conversation_id
+        self.session = self.new_session(conversation_id) if self.lm and conversation_id is not None else None
+        messages = self.app.store.messages(conversation_id) if conversation_id is not None else []
+        container = self.query_one("#messages", VerticalScroll)
+        await container.remove_children()
+        await container.mount_all(MessageView(m) for m in messages)
+        container.scroll_end(animate=False)
+        replies = [m for m in messages if m.role == "assistant"]
+        self.query_one(Readouts).show(Readout.of_saved(replies[-1].stats) if replies else Readout())
+        self.update_context_meter()
+
+    @on(ListView.Selected, "#conversations")
+    async def conversation_selected(self, event: ListView.Selected) -> None:
+        if not isinstance(event.item, ConversationItem) or event.item.conversation.id == self.conversation_id:
+            return
+        if self.refuse_while_streaming():
+            await self.show_conversations()
+            return
+        await self.open_conversation(event.item.conversation.id)
+
+    def refuse_while_streaming(self) -> bool:
+        if self.streaming:
+            self.notify("A reply is being written; wait for it or press Esc to stop it", severity="warning")
+        return self.streaming
+
+    async def action_new_conversation(self) -> None:
+        if not self.refuse_while_streaming():
+            await self.open_conversation(None)
+            await self.show_conversations()
+            self.query_one("#prompt", Input).focus()
+
+    def action_rename(self) -> None:
+        if self.conversation_id is None:
+            self.notify("Send a message first; then the conversation can be renamed", severity="warning")
+            return
+        title = self.app.store.conversation(self.conversation_id).title
+        self.app.push_screen(TextPrompt("Rename the conversation", title), self.rename_to)
+
+    async def rename_to(self, title: str | None) -> None:
+        if title is None:
+            return
+        try:
+            self.app.store.rename(self.conversation_id, title)
+        except DuetError as error:
+            self.notify(str(error), severity="error")
+            return
+        if self.session:
+            self.session.refresh()
+        await self.show_conversations()
+
+    def action_delete(self) -> None:
+        if self.refuse_while_streaming() or self.conversation_id is None:
+            return
+        title = self.app.store.conversation(self.conversation_id).title
+        self.app.push_screen(Confirm(f"Delete “{title}” and all its messages?", "Delete"), self.delete_confirmed)
+
+    async def delete_confirmed(self, yes: bool | None) -> None:
+        if not yes:
+            return
+        self.app.store.delete_conversation(self.conversation_id)
+        remaining = self.app.store.conversations()
+        await self.open_conversation(remaining[0].id if remaining else None)
+        await self.show_conversations()
+        self.notify("Deleted the conversation")
+
+    def action_toggle_sidebar(self) -> None:
+        sidebar = self.query_one(ConversationList)
+        sidebar.display = not sidebar.display
+
+    # ---- sending and replies ----
+
+    @on(Input.Submitted, "#prompt")
+    async def prompt_submitted(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        if not text or self.refuse_while_streaming():
+            return
+        if self.lm is None:
+            self.notify("No model is loaded yet; wait for it, or press F3 to pick one", severity="warning")
+            return
+        session = self.ensure_session()
+        try:
+            session.check_fits(text)
+        except ContextFull as full:
+            self.app.push_screen(ContextFullChoice(full.needed, full.budget), partial(self.context_choice, text))
+            return
+        await self.send(text)
+
+    def ensure_session(self) -> ChatSession:
+        if self.session is None:
+            conversation = self.app.store.create_conversation(system_prompt=self.app.config.system_prompt)
+            self.conversation_id = conversation.id
+            self.session = self.new_session(conversation.id)
+        return self.session
+
+    async def context_choice(self, text: str, choice: str | None) -> None:
+        try:
+            if choice == "new":
+                await self.open_conversation(None)
+                self.ensure_session().check_fits(text)
+            elif choice == "drop":
+                dropped = self.session.drop_oldest_turns(text)
+                await self.open_conversation(self.conversation_id)
+                self.notify(f"Left the oldest {dropped} messages out of the context; they stay saved")
+            else:
+                return
+        except DuetError as error:
+            self.notify(str(error), severity="error")
+            return
+        await self.send(text)
+
+    async def send(self, text: str) -> None:
+        message = self.session.add_user_message(text)
+        self.query_one("#prompt", Input).clear()
+        await self.query_one("#messages", VerticalScroll).mount(MessageView(message))
+        await self.show_conversations()
+        await self.start_reply()
+
+    async def start_reply(self) -> None:
+        self.cancel, self.reply_saved = threading.Event(), threading.Event()
+        self.reply_view = MessageView(role="assistant")
+        await self.query_one("#messages", VerticalScroll).mount(self.reply_view)
+        self.reply_stream = self.reply_view.stream()
+        self.query_one(Readouts).start_reply()
+        options = reply_options(self.app.config, self.budget, self.choices, self.accept)
+        self.generate_in_background(self.session, options, self.cancel, self.reply_saved)
+
+    @work(thread=True, group="reply")
+    def generate_in_background(self, session: ChatSession, options, cancel: threading.Event,
+                               saved: threading.Event) -> None:
+        try:
+            for event in session.stream_reply(options, cancel):
+                self.post_message(self.Streamed(event))
+        except DuetError as error:
+            self.post_message(self.ReplyFailed(str(error)))
+        finally:
+            saved.set()
+
+    async def on_chat_screen_streamed(self, message: Streamed) -> None:
+        event, readouts = message.event, self.query_one(Readouts)
+        readouts.show(event.readout)
+        if isinstance(event, ReplyChunk):
+            await self.reply_stream.write(displayable(event.text))
+            if event.readout.recent_tok_s:
+                readouts.add_speed(event.readout.recent_tok_s)
+            self.query_one(ContextMeter).show(event.readout.prompt_tokens + event.readout.generated_tokens, self.budget)
+            return
+        await self.reply_stream.stop()
+        await self.reply_view.finish(event.message)
+        self.end_reply()
+        if event.message.finish_reason == "context":
+            self.notify("The context budget is full; the next message will ask what to drop", severity="warning")
+
+    async def on_chat_screen_reply_failed(self, message: ReplyFailed) -> None:
+        await self.reply_stream.stop()
+        await self.reply_view.remove()
+        self.end_reply()
+        self.notify(message.error, title="No reply", severity="error", timeout=10)
+
+    def end_reply(self) -> None:
+        self.cancel = self.reply_view = self.reply_stream = None
+        self.update_context_meter()
+
+    def action_stop(self) -> None:
+        if self.cancel is not None:
+            self.cancel.set()
+
+    def stop_and_wait(self) -> None:
+        """Stop a streaming reply and wait until it is saved, marked stopped (on quit)."""
+        if self.cancel is not None:
+            self.cancel.set()
+            self.reply_saved.wait(QUIT_WAIT_SECONDS)
+
+    async def action_regenerate(self) -> None:
+        if self.refuse_while_streaming() or self.session is None:
+            return
+        try:
+            self.session.reopen_last_turn()
+        except DuetError as error:
+            self.notify(str(error), severity="warning")
+            return
+        last = self.query(MessageView).last()
+        if last.role == "assistant":
+            await last.remove()
+        await self.start_reply()
+
+    def update_context_meter(self) -> None:
+        if self.lm is None:
+            return
+        used = self.session.context_used() if self.session else 0
+        self.query_one(ContextMeter).show(used, self.budget)
+
+    # ---- switches and settings ----
+
+    @on(Select.Changed, "#route")
+    def route_chosen(self, event: Select.Changed) -> None:
+        """Another route of the same checkpoint: the engine builds a route's weights at load, so reload."""
+        if self.lm is None or event.value in (Select.NULL, self.lm.route):
+            return
+        if self.refuse_while_streaming():
+            event.select.value = self.lm.route
+            return
+        self.notify(f"Loading {self.lm.name} again for the {event.value} route")
+        self.start_loading(self.lm.path, event.value)
+
+    def action_toggle_accept(self) -> None:
+        switch = self.query_one("#accept", Switch)
+        switch.value = not switch.value
+
+    @on(Switch.Changed, "#accept")
+    def accept_switched(self, event: Switch.Changed) -> None:
+        self.accept = "lossy" if event.value else "exact"
+        if self.session:
+            self.session.switches.accept = self.accept  # the engine reads it at the start of its next cycle
+
+    def action_settings(self) -> None:
+        prompt = self.session.conversation.system_prompt if self.session else self.app.config.system_prompt
+        self.app.push_screen(ReplySettings(prompt, self.app.config), self.settings_saved)
+
+    def settings_saved(self, result: tuple | None) -> None:
+        if result is None:
+            return
+        system_prompt, config = result
+        config.system_prompt = system_prompt
+        self.app.config = config
+        self.app.save_config()
+        if self.session:
+            self.app.store.set_system_prompt(self.session.conversation.id, system_prompt)
+            self.session.refresh()
+        self.update_context_meter()
+        self.notify("Saved the settings")
+
+    # ---- export and models ----
+
+    def action_export(self) -> None:
+        if self.conversation_id is None:
+            self.notify("Nothing to export yet", severity="warning")
+            return
+        self.app.push_screen(ExportChoice(str(self.app.paths.exports_dir)), self.export_to)
+
+    def export_to(self, choice: tuple[str, str] | None) -> None:
+        if choice is None:
+            return
+        folder, kind = choice
+        conversation = self.app.store.conversation(self.conversation_id)
+        messages = self.app.store.messages(self.conversation_id)
+        render = export_markdown if kind == "md" else export_json
+        path = Path(folder).expanduser() / f"{_slug(conversation.title)}-{conversation.id}.{kind}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(render(conversation, messages), encoding="utf-8")
+        except OSError as error:
+            self.notify(f"{path}: cannot write ({error.strerror}); pick another folder", severity="error")
+            return
+        self.notify(f"Exported to {path}")
+
+    def action_models(self) -> None:
+        if not self.refuse_while_streaming():
+            self.app.push_screen(ModelsScreen(), self.model_chosen)
+
+    def model_chosen(self, path: Path | None) -> None:
+        if path is not None:
+            self.start_loading(path, "auto")
+
+
+def _throttled(report):
+    """A load-progress callback that reports the share of bytes read, at most every LOAD_PROGRESS_STEP."""
+    last = -1.0
+
+    def progress(p: LoadProgress) -> None:
+        nonlocal last
+        share = p.done_bytes / p.total_bytes if p.total_bytes else 1.0
+        if share - last >= LOAD_PROGRESS_STEP or share >= 1.0:
+            last = share
+            report(share)
+
+    return progress
+
+
+def _slug(title: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40] or "conversation"

@@ -1,0 +1,84 @@
+"""The readout panel: speed and acceptance figures of the reply, the switches, and the context meter."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Label, ProgressBar, Select, Sparkline, Static, Switch
+
+from app.session import WARN_SHARE, Readout
+
+SPARKLINE_POINTS = 40
+NOTHING = "—"
+
+
+def readout_rows(readout: Readout) -> list[tuple[str, str]]:
+    """(label, value) rows; a figure the engine did not measure shows as a dash."""
+    by_position = " · ".join(f"{share:.0%}" for share in readout.accept_by_position)
+    return [
+        ("decode", f"{readout.decode_tok_s:.1f} tok/s" if readout.decode_tok_s else NOTHING),
+        ("prefill", f"{readout.prefill_tok_s:.0f} tok/s" if readout.prefill_tok_s else NOTHING),
+        ("first token", f"{readout.first_token_s:.2f} s" if readout.first_token_s is not None else NOTHING),
+        ("tokens/cycle", f"{readout.tokens_per_cycle:.2f}" if readout.tokens_per_cycle else NOTHING),
+        ("acceptance", f"{readout.acceptance_rate:.0%}" if readout.acceptance_rate is not None else NOTHING),
+        ("by position", by_position if readout.drafted else NOTHING),
+        ("lossy kept", str(readout.n_lossy) if readout.drafted else NOTHING),
+    ]
+
+
+class Readouts(Vertical):
+    """Figures of the reply streaming now, or of the last saved reply."""
+
+    def compose(self) -> ComposeResult:
+        yield Sparkline([], id="speed-sparkline")
+        yield Static(id="figures")
+
+    def on_mount(self) -> None:
+        self.show(Readout())
+
+    def show(self, readout: Readout) -> None:
+        rows = readout_rows(readout)
+        width = max(len(label) for label, _ in rows)
+        self.query_one("#figures", Static).update("\n".join(f"{label:<{width}}  {value}" for label, value in rows))
+
+    def start_reply(self) -> None:
+        self.query_one(Sparkline).data = []
+
+    def add_speed(self, tok_s: float) -> None:
+        sparkline = self.query_one(Sparkline)
+        sparkline.data = [*sparkline.data, tok_s][-SPARKLINE_POINTS:]
+
+
+class SwitchPanel(Vertical):
+    """The route the model runs and the acceptance rule; flipping them applies from the next cycle."""
+
+    def compose(self) -> ComposeResult:
+        yield Label("route")
+        yield Select([], id="route", allow_blank=True, prompt="(no model)")
+        with Horizontal(id="accept-row"):
+            yield Label("lossy accept", id="accept-label")
+            yield Switch(id="accept", tooltip="exact: output as the model's own; lossy: keeps more drafts")
+
+    def set_routes(self, routes: tuple[str, ...], current: str) -> None:
+        select = self.query_one("#route", Select)
+        select.set_options([(route, route) for route in routes])
+        select.value = current
+
+    def set_accept(self, mode: str) -> None:
+        self.query_one("#accept", Switch).value = mode == "lossy"
+
+
+class ContextMeter(Vertical):
+    """Tokens in the context of the budget; warns from WARN_SHARE on, and says so at the limit."""
+
+    def compose(self) -> ComposeResult:
+        yield Label("context", id="context-label")
+        yield ProgressBar(total=1, show_eta=False, show_percentage=False, id="context-bar")
+
+    def show(self, used: int, budget: int) -> None:
+        share = used / budget if budget else 0.0
+        self.query_one(ProgressBar).update(total=max(budget, 1), progress=min(used, budget))
+        warning = "\nfull: you choose what to drop" if used >= budget else "\nnearly full" if share >= WARN_SHARE else ""
+        self.query_one("#context-label", Label).update(f"context {used:,} / {budget:,}{warning}")
+        self.set_class(share >= WARN_SHARE, "-warn")
+        self.set_class(used >= budget, "-full")

@@ -1,0 +1,143 @@
+"""ChatSession: batching, saving, stop, switches, and the context budget, on a tiny real model."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from conftest import build_reference, save_reference
+
+from app.session import ChatSession, ContextFull, EngineChoices, ReplyChunk, ReplyDone, reply_options
+from app.settings import Config
+from app.store import Store
+from engine import GenerateOptions, load_model
+from engine.errors import DuetError
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    return load_model(save_reference(build_reference("qwen3_5_text"), tmp_path_factory.mktemp("model") / "tiny"))
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = Store(tmp_path / "chats.sqlite3")
+    yield store
+    store.close()
+
+
+def new_session(store, lm, budget=4096, system_prompt="") -> ChatSession:
+    return ChatSession(store, store.create_conversation("New chat", system_prompt), lm, budget)
+
+
+def reply(session, options, cancel=None, batch_seconds=0.05):
+    return list(session.stream_reply(options, cancel or threading.Event(), batch_seconds))
+
+
+def test_reply_streams_in_chunks_and_is_saved_whole(store, tiny_lm):
+    session = new_session(store, tiny_lm)
+    session.add_user_message("the quick brown fox")
+    events = reply(session, GenerateOptions(max_tokens=40, draft="none"), batch_seconds=3600)
+    chunks, done = events[:-1], events[-1]
+    assert all(isinstance(c, ReplyChunk) for c in chunks) and isinstance(done, ReplyDone)
+    assert len(chunks) <= 2  # the first token at once, then the rest when the reply ends
+    saved = session.messages()[-1]
+    assert saved == done.message
+    assert saved.content == "".join(c.text for c in chunks)
+    assert (saved.role, saved.model, saved.route, saved.accept) == ("assistant", "tiny", "bf16", "exact")
+    assert saved.stats["generated_tokens"] == done.readout.generated_tokens <= 40
+    assert saved.stats["first_token_s"] == done.readout.first_token_s > 0
+    assert saved.finish_reason in ("stop", "length")
+
+
+def test_first_chunk_carries_the_time_to_first_token(store, tiny_lm):
+    session = new_session(store, tiny_lm)
+    session.add_user_message("fox")
+    first = next(session.stream_reply(GenerateOptions(max_tokens=5, draft="none"), threading.Event()))
+    assert isinstance(first, ReplyChunk)
+    assert first.readout.generated_tokens == 1 and first.readout.first_token_s > 0
+
+
+def test_nothing_drafted_means_no_acceptance_figure(store, tiny_lm):
+    session = new_session(store, tiny_lm)
+    session.add_user_message("fox")
+    done = reply(session, GenerateOptions(max_tokens=8, draft="none"))[-1]
+    assert done.readout.drafted == 0 and done.readout.acceptance_rate is None
+
+
+def test_cancel_stops_the_reply_and_keeps_it_marked(store, tiny_lm):
+    session = new_session(store, tiny_lm)
+    session.add_user_message("the lazy dog")
+    cancel = threading.Event()
+    events = []
+    for event in session.stream_reply(GenerateOptions(max_tokens=3000, draft="none"), cancel, batch_seconds=0):
+        events.append(event)
+        cancel.set()
+    done = events[-1]
+    assert done.message.stopped and done.message.finish_reason == "cancelled"
+    assert done.readout.generated_tokens < 3000
+    assert session.messages()[-1].stopped
+
+
+def test_the_accept_switch_is_recorded_with_the_reply(store, tiny_lm):
+    session = new_session(store, tiny_lm)
+    session.add_user_message("fox")
+    session.switches.accept = "lossy"
+    done = reply(session, GenerateOptions(max_tokens=4, draft="none"))[-1]
+    assert done.message.accept == "lossy"
+
+
+def test_first_message_titles_the_conversation(store, tiny_lm):
+    session = new_session(store, tiny_lm)
+    session.add_user_message("  what   does the fox say when it jumps over the lazy dog at night?  ")
+    assert session.conversation.title == "what does the fox say when it jumps over the la…"
+    with pytest.raises(DuetError, match="empty"):
+        session.add_user_message("   ")
+
+
+def test_system_prompt_is_part_of_the_prompt(store, tiny_lm):
+    plain, with_system = new_session(store, tiny_lm), new_session(store, tiny_lm, system_prompt="be a fox")
+    assert len(with_system.prompt_ids([], "hi")) > len(plain.prompt_ids([], "hi"))
+
+
+def test_regenerate_replaces_only_the_reply(store, tiny_lm):
+    session = new_session(store, tiny_lm)
+    with pytest.raises(DuetError, match="nothing to regenerate"):
+        session.reopen_last_turn()
+    session.add_user_message("fox")
+    reply(session, GenerateOptions(max_tokens=4, draft="none"))
+    session.reopen_last_turn()
+    assert [m.role for m in session.messages()] == ["user"]
+    session.reopen_last_turn()  # a turn whose reply failed can be answered again
+    assert [m.role for m in session.messages()] == ["user"]
+    reply(session, GenerateOptions(max_tokens=4, draft="none"))
+    assert [m.role for m in session.messages()] == ["user", "assistant"]
+
+
+def test_a_full_context_asks_and_dropping_turns_keeps_them_saved(store, tiny_lm):
+    session = new_session(store, tiny_lm, budget=128)
+    for words in ("the quick brown fox jumps", "over the lazy dog and", "then runs far away from home"):
+        session.check_fits(words)
+        session.add_user_message(words)
+        store.add_message(session.conversation.id, "assistant", "the fox runs")
+    long_text = "in light " * 20
+    with pytest.raises(ContextFull) as full:
+        session.check_fits(long_text)
+    assert full.value.budget == 128 and full.value.needed >= 128
+    dropped = session.drop_oldest_turns(long_text)
+    assert dropped >= 2
+    assert session.check_fits(long_text) <= 64
+    messages = session.messages()
+    assert len(messages) == 6  # nothing deleted
+    assert [m.in_context for m in messages[:dropped]] == [False] * dropped
+    with pytest.raises(DuetError, match="longer than the context budget"):
+        session.drop_oldest_turns("fox " * 200)
+
+
+def test_reply_options_follow_the_config_and_the_engine_choices():
+    choices = EngineChoices(draft="ngram", depth=3, kv="q4")
+    options = reply_options(Config(max_tokens=7, temperature=0.5, top_k=20, seed=-1), 1024, choices, "lossy")
+    assert (options.max_tokens, options.context, options.accept) == (7, 1024, "lossy")
+    assert (options.draft, options.depth, options.kv) == ("ngram", 3, "q4")
+    assert options.sampling.temperature == 0.5 and options.sampling.top_k == 20 and options.sampling.seed is None
+    assert reply_options(Config(seed=3), 1024, EngineChoices(), "exact").sampling.seed == 3

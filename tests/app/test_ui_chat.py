@@ -1,0 +1,342 @@
+"""The chat screen under Textual's Pilot, on a tiny real model: send, stream, stop, switches, context."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from textual.widgets import Input, Label, Select
+
+from app.settings import Config, load_config, user_paths
+from app.store import Store
+from app.session import EngineChoices, Launch
+from app.ui.app import DuetApp
+from app.ui.screens.chat import ChatScreen
+from app.ui.screens.dialogs import CodeBlockPicker, Confirm, ContextFullChoice, ExportChoice, ReplySettings, TextPrompt
+from app.ui.widgets.conversation_list import ConversationList
+from app.ui.widgets.message_view import MessageView
+from app.ui.widgets.readouts import ContextMeter
+
+SIZE = (140, 40)
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def endless_model(tiny_model, tmp_path_factory):
+    """The tiny model without a stop token: its replies run to max_tokens unless stopped."""
+    folder = tmp_path_factory.mktemp("endless") / "endless"
+    shutil.copytree(tiny_model, folder)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    del tokenizer_config["eos_token"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return folder
+
+
+@pytest.fixture
+def make_app(tmp_path, monkeypatch, tiny_model):
+    monkeypatch.setenv("DUET_HOME", str(tmp_path / "home"))
+
+    def make(config: Config | None = None, context: int | None = None, model=None) -> DuetApp:
+        launch = Launch(model or tiny_model, context=context, choices=EngineChoices(draft="none"))
+        return DuetApp(user_paths(), config or Config(max_tokens=12), launch)
+
+    return make
+
+
+async def wait_for(pilot, condition, timeout: float = 20.0) -> None:
+    """Let the app run until condition() holds; bounded."""
+    for _ in range(int(timeout / 0.05)):
+        if condition():
+            return
+        await pilot.pause(0.05)
+    raise AssertionError("the app did not get there in time")
+
+
+def last_note(app):
+    return list(app._notifications)[-1]
+
+
+def chat(app) -> ChatScreen:
+    return app.screen if isinstance(app.screen, ChatScreen) else next(s for s in app.screen_stack if isinstance(s, ChatScreen))
+
+
+async def loaded(pilot) -> ChatScreen:
+    screen = chat(pilot.app)
+    await wait_for(pilot, lambda: screen.lm is not None)
+    return screen
+
+
+def replies_shown(screen) -> int:
+    return sum(1 for view in screen.query(MessageView) if view.role == "assistant" and view.message is not None)
+
+
+async def send(pilot, text: str) -> ChatScreen:
+    """Type a message, press Enter, and wait until its reply is saved and shown."""
+    screen = await loaded(pilot)
+    before = replies_shown(screen)
+    screen.query_one("#prompt", Input).value = text
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: replies_shown(screen) > before and not screen.streaming)
+    return screen
+
+
+def saved_messages(app):
+    store = Store(app.paths.database)
+    conversations = store.conversations()
+    messages = store.messages(conversations[0].id) if conversations else []
+    store.close()
+    return messages
+
+
+async def test_loading_shows_the_model_and_empty_readouts(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await loaded(pilot)
+        await pilot.pause()
+        assert not screen.query_one("#loading").display
+        assert "tiny" in str(screen.query_one("#model-name", Label).render())
+        figures = str(screen.query_one("#figures").render())
+        assert "decode" in figures and "acceptance" in figures and "—" in figures
+
+
+async def test_a_model_that_fails_to_load_is_one_notification(make_app, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    app = make_app(model=broken)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = chat(app)
+        await wait_for(pilot, lambda: any("Could not load" in (n.title or "") for n in app._notifications))
+        (note,) = [n for n in app._notifications if n.title == "Could not load the model"]
+        assert "config.json" in note.message and "\n" not in note.message
+        screen.query_one("#prompt", Input).value = "hello"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert saved_messages(app) == []
+
+
+async def test_send_streams_a_reply_and_saves_both_messages(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await send(pilot, "the quick brown fox")
+        views = list(screen.query(MessageView))
+        assert [v.role for v in views] == ["user", "assistant"]
+        user, reply = saved_messages(app)
+        assert user.content == "the quick brown fox"
+        assert reply.content == views[1].text
+        assert (reply.model, reply.route, reply.accept) == ("tiny", "bf16", "exact")
+        assert reply.stats["generated_tokens"] > 0 and "decode_tok_s" in reply.stats
+        assert "tok/s" in views[1].border_title
+        assert "tok/s" in str(screen.query_one("#figures").render())
+        titles = [str(item.query_one(Label).render()) for item in screen.query_one(ConversationList).children]
+        assert titles == ["the quick brown fox"]
+        used = screen.session.context_used()
+        assert f"{used:,} / 4,096" in str(screen.query_one("#context-label", Label).render())
+        assert screen.query_one("#prompt", Input).value == ""
+
+
+async def test_keys_work_while_a_reply_streams_and_esc_stops_it(make_app, endless_model):
+    app = make_app(Config(max_tokens=4000), model=endless_model)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await loaded(pilot)
+        posted = []
+        original = screen.post_message
+        screen.post_message = lambda message: posted.append(message) or original(message)
+        screen.query_one("#prompt", Input).value = "over the lazy dog"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.streaming and screen.reply_view.text)
+        await pilot.press("ctrl+b")  # hide the conversation list
+        assert not screen.query_one(ConversationList).display
+        await pilot.press("a", "b", "c")
+        assert screen.query_one("#prompt", Input).value == "abc"
+        await pilot.press("ctrl+t")  # lossy acceptance, read by the engine from its next cycle
+        assert screen.session.switches.accept == "lossy"
+        assert screen.streaming
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not screen.streaming)
+        reply = saved_messages(app)[-1]
+        assert reply.stopped and reply.accept == "lossy"
+        assert reply.stats["generated_tokens"] < 4000
+        view = screen.query(MessageView).last()
+        assert view.has_class("-stopped") and "stopped" in view.border_title
+        streamed = [m for m in posted if isinstance(m, ChatScreen.Streamed)]
+        assert len(streamed) < reply.stats["generated_tokens"] / 2  # batched, never one message per token
+
+
+async def test_regenerate_replaces_the_last_reply(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await send(pilot, "fox")
+        first_id = saved_messages(app)[-1].id
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: replies_shown(screen) == 1 and saved_messages(app)[-1].id != first_id)
+        messages = saved_messages(app)
+        assert [m.role for m in messages] == ["user", "assistant"] and messages[-1].id != first_id
+        assert [v.role for v in screen.query(MessageView)] == ["user", "assistant"]
+
+
+async def test_new_switch_rename_and_delete_conversations(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await send(pilot, "first chat")
+        await pilot.press("ctrl+n")
+        assert screen.conversation_id is None and not screen.query(MessageView)
+        await send(pilot, "second chat")
+        listing = screen.query_one(ConversationList)
+        assert [item.conversation.title for item in listing.children] == ["second chat", "first chat"]
+        listing.index = 1
+        listing.action_select_cursor()
+        await wait_for(pilot, lambda: screen.conversation_id == listing.children[1].conversation.id)
+        await pilot.pause()
+        assert screen.query(MessageView).first().text == "first chat"
+
+        await pilot.press("f2")
+        assert isinstance(app.screen, TextPrompt)
+        app.screen.query_one(Input).value = "Renamed chat"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.store.conversation(screen.conversation_id).title == "Renamed chat"
+
+        await pilot.press("f8")
+        assert isinstance(app.screen, Confirm)
+        await pilot.click("#yes")
+        await pilot.pause()
+        assert [c.title for c in app.store.conversations()] == ["second chat"]
+        assert screen.query(MessageView).first().text == "second chat"
+
+
+async def test_settings_change_the_system_prompt_and_sampling(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await send(pilot, "hello")
+        before = screen.session.context_used()
+        await pilot.press("ctrl+s")
+        dialog = app.screen
+        assert isinstance(dialog, ReplySettings)
+        dialog.query_one("#system-prompt").text = "You are a fox."
+        dialog.query_one("#temperature", Input).value = "hot"
+        await pilot.press("ctrl+s")
+        assert app.screen is dialog  # a bad value keeps the dialog open, with one line saying why
+        assert "temperature must be a number" in last_note(app).message
+        dialog.query_one("#temperature", Input).value = "0.7"
+        dialog.query_one("#top_k", Input).value = "20"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert app.screen is screen
+        assert (app.config.temperature, app.config.top_k, app.config.system_prompt) == (0.7, 20, "You are a fox.")
+        assert load_config(app.paths.config_file).temperature == 0.7
+        assert app.store.conversation(screen.conversation_id).system_prompt == "You are a fox."
+        assert screen.session.context_used() > before
+
+
+async def test_export_to_markdown_and_json(make_app, tmp_path):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await send(pilot, "export me")
+        for button in ("#md", "#json"):
+            await pilot.press("ctrl+o")
+            assert isinstance(app.screen, ExportChoice)
+            app.screen.query_one("#folder", Input).value = str(tmp_path / "out")
+            await pilot.click(button)
+            await pilot.pause()
+        markdown = (tmp_path / "out" / f"export-me-{screen.conversation_id}.md").read_text()
+        assert markdown.startswith("# export me") and "**User**\n\nexport me" in markdown
+        exported = json.loads((tmp_path / "out" / f"export-me-{screen.conversation_id}.json").read_text())
+        assert [m["role"] for m in exported["messages"]] == ["user", "assistant"]
+
+
+async def test_copy_a_message_and_its_code_blocks(make_app):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await loaded(pilot)
+        conversation = app.store.create_conversation("code")
+        app.store.add_message(conversation.id, "user", "show code")
+        app.store.add_message(conversation.id, "assistant", "One:\n\n```py\nprint(1)\n```\n\nTwo:\n\n```sh\necho 2\n```",
+                              model="tiny", route="bf16", accept="exact")
+        await screen.open_conversation(conversation.id)
+        await pilot.pause()
+        reply = screen.query(MessageView).last()
+        reply.focus()
+        await pilot.press("c")
+        assert app.clipboard == reply.text
+        await pilot.press("k")
+        assert isinstance(app.screen, CodeBlockPicker)
+        await pilot.press("down", "enter")
+        await pilot.pause()
+        assert app.clipboard == "echo 2\n"
+        question = screen.query(MessageView).first()
+        question.focus()
+        await pilot.press("k")
+        assert "no code block" in last_note(app).message
+
+
+async def test_context_meter_warns_and_the_limit_asks_what_to_drop(make_app):
+    app = make_app(context=160)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await send(pilot, "the quick brown fox jumps")
+        await send(pilot, "over the lazy dog and then")
+        meter = screen.query_one(ContextMeter)
+        used = screen.session.context_used()
+        assert meter.has_class("-warn") == (used >= 0.8 * 160)
+        long_text = "in light " * 30
+        screen.query_one("#prompt", Input).value = long_text
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, ContextFullChoice)
+        await pilot.click("#drop")
+        await wait_for(pilot, lambda: replies_shown(screen) == 3 and not screen.streaming)
+        messages = saved_messages(app)
+        assert len(messages) == 6  # nothing deleted
+        assert not messages[0].in_context and messages[-2].content == long_text.strip()
+        assert "not in context" in screen.query(MessageView).first().border_title
+
+        longer_text = "in light " * 50  # fits alone, not after what is in the context now
+        screen.query_one("#prompt", Input).value = longer_text
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, ContextFullChoice)
+        await pilot.click("#new")
+        await wait_for(pilot, lambda: replies_shown(screen) == 1 and not screen.streaming)
+        assert len(app.store.conversations()) == 2
+        assert [v.text for v in screen.query(MessageView)][0] == longer_text.strip()
+
+
+async def test_key_bindings_can_be_remapped_in_the_config(make_app):
+    app = make_app(Config(max_tokens=12, keys={"chat.new": "ctrl+j"}))
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await send(pilot, "remap")
+        await pilot.press("ctrl+n")
+        assert screen.conversation_id is not None
+        await pilot.press("ctrl+j")
+        assert screen.conversation_id is None
+
+
+async def test_quitting_mid_reply_keeps_it_marked_stopped(make_app, endless_model):
+    app = make_app(Config(max_tokens=4000), model=endless_model)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await loaded(pilot)
+        screen.query_one("#prompt", Input).value = "the lazy dog"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.streaming and screen.reply_view.text)
+        await pilot.press("ctrl+q")
+    reply = saved_messages(app)[-1]
+    assert reply.role == "assistant" and reply.stopped
+
+
+async def test_the_route_switch_lists_the_checkpoints_routes_and_runs_the_chosen_one(make_app, tiny_model, tmp_path):
+    from app.cli import main
+
+    int4 = tmp_path / "tiny-int4"
+    assert main(["convert", str(tiny_model), str(int4), "--format", "int4"]) == 0
+    app = make_app(model=int4)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await loaded(pilot)
+        select = screen.query_one("#route", Select)
+        assert [value for _, value in select._options if value != Select.NULL] == ["w4a16", "w4a8", "bf16"]
+        assert select.value == "w4a16"
+        select.value = "w4a8"
+        await wait_for(pilot, lambda: screen.lm is not None and screen.lm.route == "w4a8")
+        await send(pilot, "fox")
+        assert saved_messages(app)[-1].route == "w4a8"
+        assert "w4a8" in screen.query(MessageView).last().border_title

@@ -1,0 +1,80 @@
+"""A duet app killed with SIGKILL while a reply streams keeps every message completed before it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import build_reference, save_reference
+
+from app.settings import user_paths
+from app.store import Store
+
+DRIVER = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from textual.widgets import Input
+    from app.settings import Config, user_paths
+    from app.session import EngineChoices, Launch
+    from app.ui.app import DuetApp
+
+    async def until(pilot, condition):
+        for _ in range(600):
+            if condition():
+                return
+            await pilot.pause(0.05)
+        raise SystemExit("timed out")
+
+    async def drive():
+        launch = Launch(Path(sys.argv[1]), choices=EngineChoices(draft="none"))
+        app = DuetApp(user_paths(), Config(max_tokens=int(sys.argv[2])), launch)
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = app.screen
+            await until(pilot, lambda: screen.lm is not None)
+            for text in ("first message", "second message"):
+                screen.query_one("#prompt", Input).value = text
+                await pilot.press("enter")
+                await until(pilot, lambda: not screen.streaming)
+            app.config.max_tokens = 4000
+            screen.query_one("#prompt", Input).value = "third message"
+            await pilot.press("enter")
+            await until(pilot, lambda: screen.streaming and screen.reply_view.text)
+            print("STREAMING", flush=True)
+            await asyncio.sleep(60)
+
+    asyncio.run(drive())
+""")
+
+
+def test_sigkill_mid_reply_loses_no_completed_message(tmp_path, monkeypatch):
+    model = save_reference(build_reference("qwen3_5_text"), tmp_path / "endless")
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    del tokenizer_config["eos_token"]  # replies run to max_tokens unless stopped
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    monkeypatch.setenv("DUET_HOME", str(tmp_path / "home"))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    app = subprocess.Popen([sys.executable, "-c", DRIVER, str(model), "6"], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, env=env)
+    try:
+        assert app.stdout.readline() == b"STREAMING\n"
+    finally:
+        app.send_signal(signal.SIGKILL)
+        app.wait(timeout=10)
+
+    database = user_paths().database
+    with sqlite3.connect(database) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    store = Store(database)
+    (conversation,) = store.conversations()
+    messages = store.messages(conversation.id)
+    store.close()
+    assert [(m.role, m.content) for m in messages[::2]] == [
+        ("user", "first message"), ("user", "second message"), ("user", "third message")]
+    assert [m.role for m in messages] == ["user", "assistant", "user", "assistant", "user"]
+    assert all(m.finish_reason == "length" and m.stats["generated_tokens"] == 6 for m in messages[1:4:2])
