@@ -116,6 +116,8 @@ class Stats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "accept_by_position": [round(a, 4) for a in self.accept_by_position],
             "n_lossy": self.n_lossy,
+            "lossy_rate": round(self.lossy_rate, 4),
+            "mean_depth": round(self.drafted / self.cycles, 3) if self.cycles else 0.0,
         }
 
 

@@ -1,0 +1,80 @@
+"""`duet bench spec`: what each drafter and acceptance rule buys, against no drafts, in one run.
+
+For a prose prompt and a copy-heavy one, every drafter the checkpoint supports runs under both
+rules with the same seed; the table shows tokens per cycle, acceptance, lossy keeps, decode tok/s
+and the speed-up over no drafts measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from engine import Finished, GenerateOptions, SamplingParams, generate, load_model
+from engine.speculative import EXACT, LOSSY
+
+PROSE = "Tell me of the sea, and of the ships that go down to it."
+COPY = ("Repeat this passage exactly, but write 'sea' where it says 'waters':\n"
+        "And God said, Let the waters under the heaven be gathered together unto one place, and let the dry "
+        "land appear: and it was so. And God called the dry land Earth; and the gathering together of the "
+        "waters called he Seas: and God saw that it was good.")
+
+
+def add_spec_command(benchmarks) -> None:
+    spec = benchmarks.add_parser("spec", help="tokens per cycle and tok/s of each drafter and rule against no drafts")
+    spec.add_argument("--model", help="model folder (default: the bundled demo model)")
+    spec.add_argument("--max-tokens", type=int, default=96, help="tokens per run (default 96)")
+    spec.add_argument("--temperature", type=float, default=0.7,
+                      help="sampling temperature (default 0.7, with top-k 20 and top-p 0.95 as the seed's runs; 0 greedy)")
+    spec.add_argument("--seed", type=int, default=0)
+    spec.add_argument("--json", action="store_true", help="print one JSON object with all figures")
+    spec.set_defaults(run=run_spec_bench)
+
+
+def run_spec_bench(args: argparse.Namespace) -> int:
+    from app.settings import bundled_demo_model
+
+    lm = load_model(args.model or bundled_demo_model())
+    sampling = SamplingParams(temperature=args.temperature, top_k=20 if args.temperature else 0,
+                              top_p=0.95 if args.temperature else 1.0, seed=args.seed)
+    drafters = ["none", "ngram"] + (["mtp"] if lm.model.mtp is not None else [])
+    rows = []
+    for prompt_name, text in (("prose", PROSE), ("copy", COPY)):
+        ids = lm.tokenizer.encode(lm.tokenizer.render_chat([{"role": "user", "content": text}]))
+        finished_stats(lm, ids, GenerateOptions(max_tokens=8, draft="none"))  # warm caches before timing
+        baseline = None
+        for drafter in drafters:
+            for rule in ([EXACT] if drafter == "none" else [EXACT, LOSSY]):
+                options = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, draft=drafter, accept=rule)
+                stats = finished_stats(lm, ids, options)
+                baseline = baseline or stats.decode_tok_s
+                rows.append({
+                    "prompt": prompt_name, "drafter": drafter, "accept": rule,
+                    "generated_tokens": stats.generated_tokens, "tokens_per_cycle": round(stats.tokens_per_cycle, 3),
+                    "acceptance_rate": round(stats.acceptance_rate, 3), "n_lossy": stats.n_lossy,
+                    "lossy_rate": round(stats.lossy_rate, 4), "decode_tok_s": round(stats.decode_tok_s, 2),
+                    "speedup": round(stats.decode_tok_s / baseline, 3) if baseline else 0.0,
+                })
+    result = {"benchmark": "spec", "model": lm.name, "temperature": args.temperature, "max_tokens": args.max_tokens,
+              "runs": rows}
+    print(json.dumps(result) if args.json else spec_table(result))
+    return 0
+
+
+def finished_stats(lm, ids: list[int], options: GenerateOptions):
+    """Run one generation to its end; the stats of its Finished event."""
+    events = list(generate(lm, ids, options))
+    assert isinstance(events[-1], Finished)
+    return events[-1].stats
+
+
+def spec_table(result: dict) -> str:
+    header = (f"duet bench spec · {result['model']} · temperature {result['temperature']} · "
+              f"{result['max_tokens']} tokens a run\n"
+              f"{'prompt':7} {'drafter':7} {'accept':6} {'tok/cycle':>9} {'accepted':>8} {'lossy':>6} "
+              f"{'decode tok/s':>12} {'vs none':>7}")
+    lines = [f"{r['prompt']:7} {r['drafter']:7} {r['accept']:6} {r['tokens_per_cycle']:9.2f} "
+             f"{r['acceptance_rate']:8.1%} {r['n_lossy']:6d} {r['decode_tok_s']:12.1f} {r['speedup']:6.2f}x"
+             for r in result["runs"]]
+    return "\n".join([header, *lines])
+

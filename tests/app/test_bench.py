@@ -1,0 +1,64 @@
+"""`duet bench`: the decode benchmark run in-process on a tiny checkpoint, and its user errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from app.bench import random_model_config
+from app.cli import main
+from conftest import build_reference, save_reference
+from engine.config import FULL_ATTENTION, ModelConfig
+
+
+@pytest.fixture(scope="module")
+def tiny_weights_dir(tmp_path_factory):
+    """Weights and config.json only: bench decode must not need a tokenizer."""
+    folder = tmp_path_factory.mktemp("bench") / "tiny"
+    return save_reference(build_reference("qwen3_5_text", seed=1), folder, with_tokenizer=False)
+
+
+def test_decode_bench_json_reports_both_engines(tiny_weights_dir, capsys):
+    code = main(["bench", "decode", "--model", str(tiny_weights_dir), "--json",
+                 "--prompt-tokens", "70", "--new-tokens", "4", "--repeats", "1"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["prompt_tokens"] == 70 and result["new_tokens"] == 4
+    assert result["geometry"]["layers"] == 5 and result["geometry"]["hidden"] == 64
+    assert result["threads"]["numpy_blas"] >= 1
+    assert result["threads"]["torch"] == result["threads"]["numpy_blas"]
+    for phase in ("prefill", "decode"):
+        ours, theirs = result["duet"][f"{phase}_tok_s"], result["transformers"][f"{phase}_tok_s"]
+        assert ours > 0 and theirs > 0
+        assert result["ratio"][phase] == pytest.approx(ours / theirs)
+    assert result["tokens_agree"] is True and result["first_mismatch"] is None
+
+
+def test_decode_bench_prints_a_table(tiny_weights_dir, capsys):
+    assert main(["bench", "decode", "--model", str(tiny_weights_dir),
+                 "--prompt-tokens", "3", "--new-tokens", "2", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "duet (numpy)" in out and "transformers eager" in out and "greedy tokens: agree" in out
+
+
+def test_missing_model_folder_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["bench", "decode", "--model", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nowhere" in err and "--model" in err
+
+
+def test_missing_reference_names_the_extra(tiny_weights_dir, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    assert main(["bench", "decode", "--model", str(tiny_weights_dir)]) == 2
+    assert "pip install 'duet[test]'" in capsys.readouterr().err
+
+
+def test_make_random_geometry_reads_back_as_qwen35_08b():
+    config = ModelConfig.from_dict(random_model_config("qwen3.5-0.8b", layers=8).to_dict())
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size) == (248320, 1024, 3584)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 2, 256)
+    assert (config.linear_num_key_heads, config.linear_num_value_heads) == (16, 16)
+    assert (config.rope_theta, config.rotary_dim, config.tie_word_embeddings) == (1e7, 64, True)
+    assert [i for i, kind in enumerate(config.layer_types) if kind == FULL_ATTENTION] == [3, 7]
