@@ -13,7 +13,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 IGNORED = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".venv", ".pytest_cache")
-HAS_DEMO = (REPO / "models" / "demo" / "config.json").is_file()
 
 
 def run(*args, cwd: Path) -> subprocess.CompletedProcess:
@@ -79,7 +78,6 @@ def test_headless_from_the_installed_script(venv, tiny_model_dir, tmp_path):
     assert done.stdout.strip()
 
 
-@pytest.mark.skipif(not HAS_DEMO, reason="no models/demo/config.json in the repo yet")
 def test_headless_with_the_bundled_demo_model(venv, tmp_path):
     done = run_ok(venv / "bin" / "duet", "--headless", "In the beginning", "--max-tokens", "8", cwd=tmp_path)
     assert done.stdout.strip()
