@@ -68,9 +68,11 @@ class Config:
     model: str = ""  # folder or name in the models dir; empty: the bundled demo model
     system_prompt: str = ""
     max_tokens: int = 512
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    # Chat defaults sample, as the seed's runs do (temperature 0.7, top-k 20, top-p 0.95): greedy
+    # decoding loops on small models, and the exact/lossy switch only differs when sampling.
+    temperature: float = 0.7
+    top_k: int = 20
+    top_p: float = 0.95
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int = -1  # -1: a fresh seed each reply
