@@ -16,7 +16,7 @@ from pathlib import Path
 
 PACKAGES = ("app", "engine", "models")
 NOT_SHIPPED = ("models/recipe/",)  # the demo model's training recipe: run from the repo, never at run time
-SHIPPED_SUFFIXES = {".py", ".toml", ".json", ".jinja", ".safetensors", ".md", ".cu", ".cuh", ".tcss", ".txt"}
+SHIPPED_SUFFIXES = {".py", ".toml", ".json", ".jinja", ".safetensors", ".md", ".cu", ".cuh", ".tcss", ".txt", ".gguf"}
 
 
 def needed_files(source: Path) -> list[str]:

@@ -85,3 +85,20 @@ def test_a_damaged_demo_model_is_one_line_naming_the_file(tmp_path, capsys, monk
     assert main(["--headless", "In the beginning"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(copy) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("folder,route,max_kl", [
+    ("demo_int4", "w4a16", 0.02),
+    ("demo_int4", "w4a8", 0.02),
+    ("demo_gguf/demo-q8_0.gguf", "w4a8", 0.002),
+])
+def test_shipped_conversions_keep_the_model(demo, folder, route, max_kl):
+    from engine.model import softmax
+
+    converted = load_model(bundled_demo_model().parent / folder, route=route)
+    assert converted.model.mtp is not None and converted.route == route
+    ids = demo.tokenizer.encode(HELD_OUT[1])[:200]
+    p = softmax(demo.model.logits(demo.model.forward(demo.model.new_state(), ids)).astype(np.float64))
+    q = softmax(converted.model.logits(converted.model.forward(converted.model.new_state(), ids)).astype(np.float64))
+    kl = np.sum(p * (np.log(p) - np.log(q)), axis=-1).mean()
+    assert 0 < kl < max_kl
