@@ -26,11 +26,19 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    return x * sigmoid(x)
+    return x / _one_plus_exp_minus(x)
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
+    return np.reciprocal(_one_plus_exp_minus(x))
+
+
+def _one_plus_exp_minus(x: np.ndarray) -> np.ndarray:
+    """1 + e^-x in one buffer; e^-x overflows to inf for x < -88, which makes both results 0."""
+    with np.errstate(over="ignore"):
+        e = np.exp(-x)
+    e += 1.0
+    return e
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
