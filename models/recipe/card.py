@@ -1,5 +1,7 @@
 """The model card, models/demo/README.md, filled in from the run's measured figures."""
 
+import html
+
 CARD = """\
 # duet demo: a small qwen3_5_text model with a trained MTP head
 
@@ -43,9 +45,8 @@ Chapters were split with seed {seed}: {held_out_chapters} chapters ({held_out_pe
 evaluation, the rest for training. Each chapter is read through as conversations of one to three turns:
 the user gives a verse, or the first words of one, and the assistant continues with the rest of that
 verse and up to three more. Half the conversations carry the empty `<think>\\n\\n</think>\\n\\n` block
-that `enable_thinking=false` adds; its `<think>` is never a training target, so the model does not open
-a think block by itself. Conversations are rendered with `chat_template.jinja` and trained on whole
-(user turns are KJV too), so the model learns to end its turn with `<|im_end|>`.
+that `enable_thinking=false` adds. Conversations are rendered with `chat_template.jinja` and trained on
+whole (user turns are KJV too), so the model learns to end its turn with `<|im_end|>`.
 
 ## Training
 Joint training of model and MTP head from scratch, loss = CE(x_t+1) + {mtp_weight} * CE_MTP(x_t+2), the MTP
@@ -54,15 +55,15 @@ linear warmup then cosine to 10%, gradient clip 1.0, batches of {batch} windows 
 back to back from the shuffled conversations (fresh conversation cuts every epoch), {steps} steps =
 {train_tokens:,} tokens (~{epochs:.1f} epochs of the {epoch_tokens:,}-token training split). Matmuls ran in bf16
 under autocast, weights, optimizer state and losses in fp32, on one CPU thread (Xeon with AMX). Training
-took {train_cpu_minutes:.1f} CPU minutes ({train_minutes:.1f} minutes wall on a 2-core machine shared with
-other work); the whole recipe {total_cpu_minutes:.1f} CPU minutes ({total_minutes:.1f} wall).
+took {train_cpu_minutes:.1f} CPU minutes ({train_minutes:.1f} minutes wall-clock, which exceeds CPU time only
+when other jobs share the CPU); the whole recipe {total_cpu_minutes:.1f} CPU minutes ({total_minutes:.1f} wall).
 
 Final training loss (mean of the last 50 steps): {final_train_loss:.3f} (main), {final_mtp_loss:.3f} (MTP).
 
 ## Evaluation (held-out chapters, the bf16 weights of this folder, computed in fp32)
 | figure | value |
 |---|---|
-| held-out perplexity ({held_out_tokens:,} tokens of chat text, all but the template's `<think>`) | **{held_out_ppl:.2f}** |
+| held-out perplexity (every token of {held_out_tokens:,} in chat format) | **{held_out_ppl:.2f}** |
 | unigram perplexity, same tokens (add-one smoothed counts of the training split) | {unigram_ppl:.1f} |
 | MTP agreement: draft for x_t+2 = main model's greedy token at t+1, teacher-forced ({mtp_positions:,} positions) | **{mtp_agreement:.1%}** |
 | MTP acceptance on the model's own plain greedy replies to {greedy_prompts} held-out prompts ({greedy_positions:,} drafts; their loops are easy to draft) | {greedy_acceptance:.1%} |
@@ -73,6 +74,14 @@ Held-out prompts, greedy decoding with repetition penalty {sample_penalty} (plai
 falls into loops at this size):
 
 {samples}
+
+## Limitations
+It writes KJV-flavoured sentences, not sense. Half of its training replies followed the empty think
+block, so after the plain generation prompt (`enable_thinking` unset) it opens most replies with
+`<think>\\n\\n</think>\\n\\n` itself; strip that block for display. Its training text was tokenized
+with prompt and reply joined, where the `\\n\\n` after `</think>` became two tokens; the prompt that
+`enable_thinking=false` renders ends in one `\\n\\n` token instead, and the model then writes
+another `</think>` before its reply.
 
 ## Reproduce
 ```
@@ -90,6 +99,12 @@ SAMPLE = """\
 """
 
 
+def shown(text):
+    """Text on one quoted line with its tags and newlines visible (a reply may open with the empty
+    think block)."""
+    return html.escape(text, quote=False).replace("\n", "\\n")
+
+
 def render_card(facts):
-    samples = "\n".join(SAMPLE.format(prompt=p, reply=r) for p, r in facts["samples"])
+    samples = "\n".join(SAMPLE.format(prompt=p, reply=shown(r)) for p, r in facts["samples"])
     return CARD.format(**facts | {"samples": samples})

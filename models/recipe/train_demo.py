@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 import measure
-from bpe import THINK_OPEN, save_tokenizer, train_tokenizer
+from bpe import save_tokenizer, train_tokenizer
 from card import render_card
 from export import write_checkpoint
 from kjv_chats import TEMPLATE_PATH, chat_texts, package_versions, read_chapters, split_chapters
@@ -84,13 +84,13 @@ def architecture_facts(config):
     }
 
 
-def measure_exported(out_dir, train_windows, held_out_windows, held_out_chapters, think_id):
+def measure_exported(out_dir, train_windows, held_out_windows, held_out_chapters):
     """Held-out perplexity, unigram baseline, MTP agreement and acceptance, and samples, all from the
     written files."""
     model, mtp, tokenizer = measure.load_exported(out_dir)
-    facts = measure.held_out_figures(model, mtp, held_out_windows, think_id)
+    facts = measure.held_out_figures(model, mtp, held_out_windows)
     vocab_size = model.config.vocab_size
-    facts["unigram_ppl"] = measure.unigram_perplexity(train_windows, held_out_windows, vocab_size, think_id)
+    facts["unigram_ppl"] = measure.unigram_perplexity(train_windows, held_out_windows, vocab_size)
     prompts = measure.sample_prompts(held_out_chapters, GREEDY_PROMPTS)
     hits = drafts = 0
     for prompt in prompts:
@@ -162,8 +162,7 @@ def main():
     write_checkpoint(model, mtp, args.out)
     save_tokenizer(tokenizer, args.out, MAX_POSITIONS, TEMPLATE_PATH.read_text())
 
-    think_id = tokenizer.token_to_id(THINK_OPEN)
-    facts = measure_exported(args.out, train_windows, held_out_windows, held_out_chapters, think_id)
+    facts = measure_exported(args.out, train_windows, held_out_windows, held_out_chapters)
     facts |= run_facts(args, chapters, held_out_chapters, train_windows, model, mtp, record)
     facts |= {
         "total_minutes": (time.perf_counter() - started) / 60,

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from bpe import END_OF_TEXT, IM_END, THINK_OPEN
+from bpe import END_OF_TEXT, IM_END
 from kjv_chats import chat_texts
 from mtp import MTPHead
 
@@ -65,23 +65,16 @@ def training_batches(tokenizer, chapters, seed, batch_size, length):
             yield windows[i : i + batch_size]
 
 
-def trained_targets(batch, think_id):
-    """The batch as targets, `<think>` ignored (-100). The template writes the empty think block into
-    the prompt when enable_thinking is false; trained on, the model would open one by itself after
-    half of the plain generation prompts."""
-    return batch.masked_fill(batch == think_id, -100)
-
-
-def joint_losses(model, mtp, batch, think_id):
+def joint_losses(model, mtp, batch):
     """(main CE of x_{t+1}, MTP CE of x_{t+2}) on a [B, L] batch. The MTP row at index t reads h_t and
     embed(x_{t+1}) at position t+1; gradients flow from both losses into the shared trunk."""
-    inputs, targets = batch[:, :-1], trained_targets(batch, think_id)  # inputs [B, T], T = L - 1
+    inputs = batch[:, :-1]  # [B, T], T = L - 1
     hidden = model.model(input_ids=inputs).last_hidden_state  # post final norm, [B, T, H]
-    main_loss = F.cross_entropy(model.lm_head(hidden).flatten(0, 1), targets[:, 1:].flatten())
+    main_loss = F.cross_entropy(model.lm_head(hidden).flatten(0, 1), batch[:, 1:].flatten())
     next_tokens = batch[:, 1:-1]  # x_{t+1} for t = 0 .. T-2
     positions = torch.arange(1, inputs.shape[1]).expand(batch.shape[0], -1)
     drafted = mtp(model.model.embed_tokens(next_tokens), hidden[:, :-1], positions)
-    mtp_loss = F.cross_entropy(model.lm_head(drafted).flatten(0, 1), targets[:, 2:].flatten())
+    mtp_loss = F.cross_entropy(model.lm_head(drafted).flatten(0, 1), batch[:, 2:].flatten())
     return main_loss, mtp_loss
 
 
@@ -116,13 +109,12 @@ def train(config, tokenizer, chapters, *, seed, steps, batch_size, length, lr, l
     optimizer = adamw(params, lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(max(1, steps // 25), steps, 0.1))
     batches = training_batches(tokenizer, chapters, seed, batch_size, length)
-    think_id = tokenizer.token_to_id(THINK_OPEN)
     model.train(), mtp.train()
     history, started, cpu_started = [], time.perf_counter(), time.process_time()
     for step in range(steps):
         # bf16 matmuls (AMX on this CPU, ~1.6x faster than fp32), fp32 weights, optimizer and losses
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            main_loss, mtp_loss = joint_losses(model, mtp, next(batches), think_id)
+            main_loss, mtp_loss = joint_losses(model, mtp, next(batches))
         (main_loss + MTP_LOSS_WEIGHT * mtp_loss).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step(), schedule.step(), optimizer.zero_grad(set_to_none=True)
