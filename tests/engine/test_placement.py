@@ -179,12 +179,13 @@ def test_flash_next_like_moe_reads_only_routed_experts(tmp_path):
           f"a pass reads {bill.total / GB:.2f} GB; non-expert weights {(bill.decoder_weights - bill.decoder[EXPERTS]) / GB:.2f} GB")
 
 
-def test_card_detection_never_imports_cupy_when_it_is_absent():
+def test_card_detection_never_imports_cupy_when_it_is_absent(monkeypatch):
     import importlib.util
     import sys
 
-    if importlib.util.find_spec("cupy") is not None:
-        pytest.skip("CuPy is installed here")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cupy" else real_find_spec(name, *a))
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
     assert detect_card() is None and "cupy" not in sys.modules
 
 
