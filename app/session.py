@@ -23,6 +23,7 @@ from engine.errors import DuetError
 BATCH_SECONDS = 0.05
 WARN_SHARE = 0.8  # the context meter warns from this share of the budget on
 TITLE_CHARS = 48
+SWITCHED = "→"  # a reply whose route or rule was switched while it streamed is saved as "w4a16→w4a8"
 DEFAULT_TITLE = "New chat"
 
 
@@ -189,8 +190,9 @@ class ChatSession:
     def _save_reply(self, batcher: _Batcher, finished: Finished) -> Message:
         stats = finished.stats.to_dict() | {"first_token_s": batcher.first_token_s, "drafter": finished.drafter}
         return self.store.add_message(
-            self.conversation.id, "assistant", "".join(batcher.text), model=self.lm.name, route=self.route,
-            accept=self.switches.accept, stats=stats, finish_reason=finished.finish_reason)
+            self.conversation.id, "assistant", "".join(batcher.text), model=self.lm.name,
+            route=SWITCHED.join(finished.stats.routes) or self.route,
+            accept=SWITCHED.join(finished.stats.rules) or self.switches.accept, stats=stats, finish_reason=finished.finish_reason)
 
 
 def available_routes(lm: LoadedModel) -> tuple[str, ...]:

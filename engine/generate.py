@@ -48,6 +48,7 @@ class Switches:
     """Settings the UI may flip while a reply streams; read at the start of every cycle."""
 
     accept: str = EXACT
+    route: str | None = None  # another route of the loaded weights to run from the next pass; None: keep
 
 
 @dataclass
@@ -60,6 +61,8 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     n_lossy: int = 0
+    routes: list[str] = field(default_factory=list)  # the routes the passes ran, in the order they were switched to
+    rules: list[str] = field(default_factory=list)  # likewise the acceptance rules of the cycles
     drafted_at: list[int] = field(default_factory=list)  # per draft position: how often drafted
     accepted_at: list[int] = field(default_factory=list)  # ... and how often kept
 
@@ -118,17 +121,26 @@ class Stats:
             "n_lossy": self.n_lossy,
             "lossy_rate": round(self.lossy_rate, 4),
             "mean_depth": round(self.drafted / self.cycles, 3) if self.cycles else 0.0,
+            "routes": list(self.routes),
+            "rules": list(self.rules),
         }
+
+    def ran(self, route: str, rule: str | None = None) -> None:
+        """Note the route (and rule) of a pass when it differs from the previous pass's."""
+        for seen, value in ((self.routes, route), (self.rules, rule)):
+            if value is not None and (not seen or seen[-1] != value):
+                seen.append(value)
 
 
 @dataclass(frozen=True)
 class Cycle:
-    """One verify pass: how deep it drafted, how many drafts it kept, under which rule."""
+    """One verify pass: how deep it drafted, how many drafts it kept, under which rule and route."""
 
     drafted: int
     accepted: int
     lossy: int
     rule: str
+    route: str
 
 
 @dataclass(frozen=True)
@@ -189,7 +201,13 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
             reason = reason or "cancelled"
         return Tokens(kept, text, stats, cycle), reason
 
+    def apply_route() -> str:
+        if switches.route is not None:
+            lm.use_route(switches.route)
+        return lm.route
+
     started = time.perf_counter()
+    stats.ran(apply_route())
     hidden = model.forward(state, prompt_ids)
     first = sampler.pick(model.logits(hidden[-1:])[0], generated)
     stats.prefill_seconds = time.perf_counter() - started
@@ -201,7 +219,8 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
     drafter.start(prompt_ids, hidden, first)
     decode_started = time.perf_counter()
     while True:
-        rule = check_rule(switches.accept)
+        rule, route = check_rule(switches.accept), apply_route()
+        stats.ran(route, rule)
         room = min(options.max_tokens - len(generated), budget - state.length - 1) - 1
         draft = drafter.propose(history, max(0, min(depth.current, room)), sampler)
         rows = [generated[-1]] + draft.tokens
@@ -213,7 +232,7 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
         drafter.commit(committed, hidden[: verdict.accepted + 1])
         depth.update(len(draft.tokens), verdict.accepted)
         stats.record_cycle(len(draft.tokens), verdict.accepted, verdict.lossy)
-        event, reason = emit(committed, Cycle(len(draft.tokens), verdict.accepted, verdict.lossy, rule))
+        event, reason = emit(committed, Cycle(len(draft.tokens), verdict.accepted, verdict.lossy, rule, route))
         stats.decode_seconds = time.perf_counter() - decode_started
         yield event
         if reason:

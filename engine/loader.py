@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.backend.cpu import resolve_route
 from engine.checkpoint.gguf import GGUFCheckpoint, find_gguf
-from engine.checkpoint.hf import TensorPlan, load_hf_model
+from engine.checkpoint.hf import ModelWeights, TensorPlan, read_weights
 from engine.checkpoint.quantized import read_quantization
 from engine.checkpoint.trellis_files import read_trellis
 from engine.checkpoint.safetensors import SafetensorsCheckpoint
@@ -35,6 +35,20 @@ class LoadedModel:
     tokenizer: Tokenizer
     route: str
     routes: tuple[str, ...] = ()  # every route this checkpoint can run, the natural one first
+    weights: ModelWeights | None = field(default=None, repr=False)  # kept when there is another route to build
+
+    def use_route(self, route: str) -> None:
+        """Run the next forward pass on another route of the same weights, without reading files again.
+
+        Between the two quantized routes only the Linear wrappers change; the `bf16` route of a
+        quantized checkpoint dequantizes every matrix to fp32 (memory x8 of the packed form).
+        """
+        if route == self.route:
+            return
+        if route not in self.routes or self.weights is None:
+            raise DuetError(f"{self.name} cannot run the {route} route; it runs {' or '.join(self.routes)}")
+        self.model.take_weights(self.weights.assemble(route))
+        self.route = route
 
 
 def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None = None,
@@ -50,11 +64,11 @@ def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None
     report = (lambda done, total: progress(LoadProgress(done, total))) if progress else None
     try:
         chosen = resolve_route(route, opened.routes, opened.description, opened.location)
-        model = load_hf_model(opened.checkpoint, opened.config, report, chosen, opened.quantized)
+        weights = read_weights(opened.checkpoint, opened.config, report, opened.quantized)
     finally:
         opened.checkpoint.close()
-    return LoadedModel(opened.name, opened.location, opened.config, model, opened.tokenizer,
-                       route=chosen, routes=opened.routes)
+    return LoadedModel(opened.name, opened.location, opened.config, weights.assemble(chosen), opened.tokenizer,
+                       route=chosen, routes=opened.routes, weights=weights if len(opened.routes) > 1 else None)
 
 
 def check_model(path: str | Path) -> ModelConfig:

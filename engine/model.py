@@ -338,6 +338,16 @@ class Model:
         self.lm_head = lm_head  # Linear [V, H]
         self.mtp = mtp
 
+    def take_weights(self, other: Model) -> None:
+        """Run from now on with other's layers and heads (the same checkpoint under another route).
+
+        States made by new_state stay valid: they hold caches, not weights. Drafters holding this
+        Model see the new weights on their next call.
+        """
+        if other.config is not self.config:
+            raise ValueError("take_weights needs a Model of the same checkpoint")
+        self.embed, self.layers, self.norm, self.lm_head, self.mtp = other.embed, other.layers, other.norm, other.lm_head, other.mtp
+
     def new_state(self, kv: str = "full") -> SequenceState:
         """Fresh per-sequence state; kv "q4" keeps attention keys/values in the 4-bit cache."""
         return SequenceState([layer.mixer.new_cache(kv) for layer in self.layers])

@@ -23,9 +23,25 @@ Progress = Callable[[int, int], None]  # (bytes read so far, bytes to read)
 def load_hf_model(ckpt: SafetensorsCheckpoint, config: ModelConfig, progress: Progress | None = None,
                   route: str = "bf16", quantized=None) -> Model:
     """quantized: the checkpoint's INT4 modules (engine/checkpoint/quantized.py), read instead of `.weight`."""
+    return read_weights(ckpt, config, progress, quantized).assemble(route)
+
+
+def read_weights(ckpt: SafetensorsCheckpoint, config: ModelConfig, progress: Progress | None = None,
+                 quantized=None) -> ModelWeights:
+    """Every tensor the model needs, read once; `assemble` builds a Model for any route the weights run."""
     plan = TensorPlan(ckpt, config, quantized)
-    tensors = plan.read_all(progress)
-    return _assemble(config, tensors, plan, route)
+    return ModelWeights(config, plan.read_all(progress), plan)
+
+
+class ModelWeights:
+    """The weights as read from the checkpoint (fp32 arrays, packed quantized matrices)."""
+
+    def __init__(self, config: ModelConfig, tensors: dict, plan: TensorPlan):
+        self.config, self.tensors, self.plan = config, tensors, plan
+
+    def assemble(self, route: str) -> Model:
+        """A Model whose linears run `route`; arrays are shared with these weights, not copied."""
+        return _assemble(self.config, self.tensors, self.plan, route)
 
 
 class TensorPlan:

@@ -18,7 +18,8 @@ from engine import load_model
 
 JSON_STATS = {"prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s", "cycles", "tokens_per_cycle",
               "drafted", "accepted", "acceptance_rate", "accept_by_position", "n_lossy",
-              "lossy_rate", "mean_depth"}  # the contract's fields, plus the lossy drift and drafts per cycle
+              "lossy_rate", "mean_depth", "routes", "rules"}
+# the contract's fields, plus the lossy drift, drafts per cycle, and the routes and rules the passes ran
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:

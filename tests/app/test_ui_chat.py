@@ -332,11 +332,35 @@ async def test_the_route_switch_lists_the_checkpoints_routes_and_runs_the_chosen
     app = make_app(model=int4)
     async with app.run_test(size=SIZE) as pilot:
         screen = await loaded(pilot)
+        lm = screen.lm
         select = screen.query_one("#route", Select)
         assert [value for _, value in select._options if value != Select.NULL] == ["w4a16", "w4a8", "bf16"]
         assert select.value == "w4a16"
         select.value = "w4a8"
-        await wait_for(pilot, lambda: screen.lm is not None and screen.lm.route == "w4a8")
+        await pilot.pause()
+        assert "Route w4a8 from the next reply" in last_note(app).message
         await send(pilot, "fox")
+        assert screen.lm is lm and lm.route == "w4a8"  # the same loaded model, not a reload
         assert saved_messages(app)[-1].route == "w4a8"
         assert "w4a8" in screen.query(MessageView).last().border_title
+
+
+async def test_switching_route_and_rule_while_a_reply_streams_applies_from_the_next_cycle(make_app, endless_model, tmp_path):
+    from app.cli import main
+
+    int4 = tmp_path / "endless-int4"
+    assert main(["convert", str(endless_model), str(int4), "--format", "int4"]) == 0
+    app = make_app(Config(max_tokens=4000), model=int4)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await loaded(pilot)
+        screen.query_one("#prompt", Input).value = "the lazy dog"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.streaming and screen.reply_view.text)
+        await pilot.press("ctrl+t")  # first, so the pass that takes the new route also runs the new rule
+        screen.query_one("#route", Select).value = "w4a8"
+        await wait_for(pilot, lambda: screen.lm.route == "w4a8")
+        assert "from the next cycle of this reply" in "".join(n.message for n in app._notifications)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not screen.streaming)
+    reply = saved_messages(app)[-1]
+    assert reply.route == "w4a16→w4a8" and reply.accept == "exact→lossy" and reply.stopped

@@ -9,14 +9,17 @@ residual branches: its median top-1 probability is ~0.8, like a trained model's.
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
 from app.cli import main
 from conftest import build_reference, save_reference
-from engine import CheckpointError, load_model
+from engine import CheckpointError, DuetError, GenerateOptions, SamplingParams, Switches, Tokens, generate, load_model
 from engine.model import softmax
+from engine.speculative import NoDrafter
 
 DIMS = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
 STEPS = 64
@@ -108,3 +111,72 @@ def test_route_error_is_one_line_exit_2_from_the_cli(converted, capsys):
     code = main(["--headless", "the", "--raw", "--model", str(converted["gguf-q4_0"]), "--route", "w4a16"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "w4a16" in err and "Q4_0" in err
+
+
+class RecordingDrafter(NoDrafter):
+    """Drafts nothing; keeps the hidden state of every committed row, which the engine hands drafters."""
+
+    def __init__(self):
+        self.hidden = []
+
+    def commit(self, committed, hidden):
+        self.hidden.append(hidden[-1].copy())
+
+
+def greedy_hidden(lms, prompt: list[int], steps: int):
+    """Tokens and last hidden states of greedy decoding, running step i on lms[i] over one shared state."""
+    state = lms[0].model.new_state()
+    hidden = lms[0].model.forward(state, prompt)[-1:]
+    tokens, hiddens = [], []
+    for step in range(steps):
+        tokens.append(int(np.argmax(lms[step].model.logits(hidden)[0])))
+        if step + 1 < steps:
+            hidden = lms[step + 1].model.forward(state, [tokens[-1]])
+            hiddens.append(hidden[0])
+    return tokens, np.stack(hiddens)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "gguf-q4_0"])
+def test_a_route_switched_mid_reply_runs_from_the_next_cycle_without_reading_files(converted, baseline, fmt, tmp_path):
+    """Greedy, no drafts: the passes before the switch run the natural route, the rest the other.
+
+    The reference runs two separately loaded models, one per route, over one shared sequence
+    state: what an honest switch must compute, pass for pass. The switching model's files are
+    deleted after loading, so the switch reads nothing from disk.
+    """
+    prompt, _, _ = baseline
+    switch_at, steps = 6, 16
+    first, second = load_model(converted[fmt]), load_model(converted[fmt], route="w4a8" if fmt == "int4" else "bf16")
+    expected_tokens, expected_hidden = greedy_hidden([first] * switch_at + [second] * (steps - switch_at), prompt, steps)
+    _, unswitched_hidden = greedy_hidden([first] * steps, prompt, steps)
+
+    copy = tmp_path / "copy"
+    shutil.copytree(converted[fmt], copy) if converted[fmt].is_dir() else (copy.mkdir(), shutil.copy(converted[fmt], copy))
+    lm = load_model(copy)
+    model = lm.model
+    shutil.rmtree(copy)
+    switches, recorder = Switches(), RecordingDrafter()
+    options = GenerateOptions(max_tokens=steps, sampling=SamplingParams(temperature=0))
+    tokens, cycle_routes = [], []
+    for event in generate(lm, prompt, options, switches=switches, drafter=recorder):
+        if isinstance(event, Tokens):
+            tokens += event.token_ids
+            cycle_routes.append(event.cycle.route if event.cycle else None)
+            if len(tokens) == switch_at:
+                switches.route = second.route  # the pass that follows is the first on the new route
+        else:
+            finished = event
+    assert tokens == expected_tokens
+    hidden = np.stack(recorder.hidden[: steps - 1])
+    assert np.array_equal(hidden, expected_hidden)
+    assert not np.allclose(hidden[switch_at - 1 :], unswitched_hidden[switch_at - 1 :], atol=1e-3)
+    assert lm.model is model and lm.route == second.route
+    assert finished.stats.routes == [first.route, second.route]
+    assert cycle_routes[switch_at - 1] == first.route and cycle_routes[switch_at] == second.route
+
+
+def test_a_route_the_weights_cannot_run_is_refused_in_one_line(converted):
+    lm = load_model(converted["gguf-q4_0"])
+    with pytest.raises(DuetError, match="cannot run the w4a16 route; it runs w4a8 or bf16"):
+        lm.use_route("w4a16")
+    assert load_model(converted["source"]).weights is None  # one route only: nothing kept to rebuild

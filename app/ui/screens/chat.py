@@ -79,6 +79,7 @@ class ChatScreen(Screen):
         super().__init__()
         self.model_path, self.route, self.context = launch.model_path, launch.route, launch.context
         self.choices, self.accept = launch.choices, launch.accept
+        self.switches = Switches(launch.accept)  # shared by every session; the engine reads it each cycle
         self.lm: LoadedModel | None = None
         self.session: ChatSession | None = None
         self.conversation_id: int | None = None
@@ -145,6 +146,7 @@ class ChatScreen(Screen):
 
     def on_chat_screen_model_loaded(self, message: ModelLoaded) -> None:
         self.lm, self.model_path, self.route = message.lm, message.lm.path, message.lm.route
+        self.switches.route = None
         self.query_one("#loading").display = False
         self.query_one("#model-name", Label).update(f"{self.lm.name} · {self.budget:,} tokens")
         self.query_one(SwitchPanel).set_routes(available_routes(self.lm), self.lm.route)
@@ -157,7 +159,7 @@ class ChatScreen(Screen):
 
     def new_session(self, conversation_id: int) -> ChatSession:
         conversation = self.app.store.conversation(conversation_id)
-        return ChatSession(self.app.store, conversation, self.lm, self.budget, Switches(self.accept))
+        return ChatSession(self.app.store, conversation, self.lm, self.budget, self.switches)
 
     # ---- conversations ----
 
@@ -360,14 +362,12 @@ class ChatScreen(Screen):
 
     @on(Select.Changed, "#route")
     def route_chosen(self, event: Select.Changed) -> None:
-        """Another route of the same checkpoint: the engine builds a route's weights at load, so reload."""
-        if self.lm is None or event.value in (Select.NULL, self.lm.route):
+        """Another route of the loaded weights: the engine takes it at the start of its next pass, no reload."""
+        if self.lm is None or event.value is Select.NULL or event.value == (self.switches.route or self.lm.route):
             return
-        if self.refuse_while_streaming():
-            event.select.value = self.lm.route
-            return
-        self.notify(f"Loading {self.lm.name} again for the {event.value} route")
-        self.start_loading(self.lm.path, event.value)
+        self.switches.route = event.value
+        when = "from the next cycle of this reply" if self.streaming else "from the next reply"
+        self.notify(f"Route {event.value} {when}")
 
     def action_toggle_accept(self) -> None:
         switch = self.query_one("#accept", Switch)
@@ -375,9 +375,7 @@ class ChatScreen(Screen):
 
     @on(Switch.Changed, "#accept")
     def accept_switched(self, event: Switch.Changed) -> None:
-        self.accept = "lossy" if event.value else "exact"
-        if self.session:
-            self.session.switches.accept = self.accept  # the engine reads it at the start of its next cycle
+        self.accept = self.switches.accept = "lossy" if event.value else "exact"  # read at the next cycle
 
     def action_settings(self) -> None:
         prompt = self.session.conversation.system_prompt if self.session else self.app.config.system_prompt
