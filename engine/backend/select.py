@@ -1,0 +1,51 @@
+"""Which op set runs the model: `cupy` when a CUDA device and CuPy are both present, else `cpu`.
+
+The check never imports CuPy on a machine without a GPU: the driver is asked for a device count
+through libcuda directly (ctypes), and CuPy is only looked up, not imported.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+
+BACKENDS = ("cpu", "cupy")
+
+
+def cuda_device_count() -> int:
+    """Devices the NVIDIA driver sees; 0 without a driver or device."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+def cupy_installed() -> bool:
+    return importlib.util.find_spec("cupy") is not None
+
+
+def backend_name(requested: str = "auto") -> str:
+    """`auto` -> `cupy` where it can run, else `cpu`; an explicit `cupy` that cannot run -> ValueError."""
+    if requested not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown backend {requested!r}; use auto, cpu or cupy")
+    if requested == "cpu":
+        return "cpu"
+    usable = cupy_installed() and cuda_device_count() > 0
+    if requested == "cupy" and not usable:
+        raise ValueError("backend cupy needs an NVIDIA GPU and CuPy (pip install 'duet[gpu]')")
+    return "cupy" if usable else "cpu"
+
+
+def make_linear(weight, route: str, backend: str):
+    """The route's Linear on the chosen backend (same interface: x [T, K] -> [T, N])."""
+    if backend == "cupy":
+        from engine.backend import cupy_backend
+
+        return cupy_backend.make_linear(weight, route)
+    from engine.backend import cpu
+
+    return cpu.make_linear(weight, route)

@@ -1,0 +1,308 @@
+// Causal GQA attention for decode and verify (1..16 query rows) over the two KV caches:
+//   bf16   keys/values u16 [kv, capacity, HD]
+//   q4     engine/cache.py Q4KVCache: rows rotated by diag(signs) then H / sqrt(HD) (H Sylvester's
+//          Hadamard), 4-bit codes (value 2i low nibble, 2i+1 high, each + 8) with an f16 scale
+//          per 32; the first SINK rows and the RECENT rows before each query exact (fp32).
+// Query row t (position start + t) sees positions 0 .. start + t; query head h reads KV head
+// h / (heads / kv). scores = (q . k) * HD^-0.5, softmax, sum of p v.
+//
+// Flash-decoding in two kernels: attention_partial_* gives each block a chunk of one row's keys and
+// writes the chunk's (max, sum of e^(s - max), sum of e^(s - max) v); attention_combine rescales
+// the chunks to one max and divides. The q4 cache never unrotates a row: with k = diag(s) H_n r,
+// q . k = (H_n diag(s) q) . r, so the block rotates q once; and sum_j p_j v_j = diag(s) H_n
+// (sum_j p_j r_j), so the rotated chunks' sums are unrotated once, in the combine.
+#include "common.cuh"
+
+#define ATT_WARPS 4
+#define Q4_SINK 4      // engine.cache.SINK_ROWS
+#define Q4_RECENT 128  // engine.cache.RECENT_ROWS
+
+// In-place Walsh-Hadamard butterflies over n (a power of two <= 256) shared floats, by the block.
+__device__ void block_fwht(float* v, int n) {
+  for (int half = 1; half < n; half <<= 1) {
+    __syncthreads();
+    for (int p = threadIdx.x; p < n / 2; p += blockDim.x) {
+      const int i = (p / half) * 2 * half + p % half;
+      const float a = v[i], b = v[i + half];
+      v[i] = a + b;
+      v[i + half] = a - b;
+    }
+  }
+  __syncthreads();
+}
+
+// ------------------------------------------------------------------------- row sources ---
+// Each gives, for query row t ending at `end` (= start + t + 1), a range [lo, hi) of row
+// indices, and the D = HD / 32 dims lane * D .. lane * D + D - 1 of a row's key or value.
+
+template <int HD>
+struct Bf16Rows {  // all positions 0 .. end - 1
+  const u16 *keys, *values;  // [kv, capacity, HD], already offset to the KV head
+  __device__ void range(int end, int& lo, int& hi) const { lo = 0; hi = end; }
+  __device__ void load(const u16* base, int i, int lane, float* d) const {
+    constexpr int D = HD / WARP;
+    const u16* p = base + (size_t)i * HD + lane * D;
+#pragma unroll
+    for (int e = 0; e < D; ++e) d[e] = bf16_to_f32(p[e]);
+  }
+  __device__ void key(int i, int lane, float* d) const { load(keys, i, lane, d); }
+  __device__ void value(int i, int lane, float* d) const { load(values, i, lane, d); }
+};
+
+template <int HD>
+struct Q4Rows {  // the quantized middle: positions SINK .. end - RECENT - 1, in the rotated basis
+  const u8 *key_codes, *value_codes;     // [kv, capacity, HD / 2]
+  const u16 *key_scales, *value_scales;  // [kv, capacity, HD / 32] f16 bits
+  __device__ void range(int end, int& lo, int& hi) const { lo = Q4_SINK; hi = max(Q4_SINK, end - Q4_RECENT); }
+  __device__ void load(const u8* codes, const u16* scales, int i, int lane, float* d) const {
+    constexpr int D = HD / WARP;
+    const float scale = f16_to_f32(scales[(size_t)i * (HD / 32) + lane * D / 32]);
+    const u8* c = codes + (size_t)i * (HD / 2) + lane * D / 2;
+#pragma unroll
+    for (int e = 0; e < D; e += 2) {
+      const u32 byte = c[e / 2];
+      d[e] = (float)(int)((byte & 0xF) - 8) * scale;
+      d[e + 1] = (float)(int)((byte >> 4) - 8) * scale;
+    }
+  }
+  __device__ void key(int i, int lane, float* d) const { load(key_codes, key_scales, i, lane, d); }
+  __device__ void value(int i, int lane, float* d) const { load(value_codes, value_scales, i, lane, d); }
+};
+
+template <int HD>
+struct ExactRows {  // the sink and the recent window: index i < n_sink is sink row i, then the ring
+  const float *sink_keys, *sink_values;  // [kv, SINK, HD]
+  const float *ring_keys, *ring_values;  // [kv, ring_rows, HD], position p at row p % ring_rows
+  int ring_rows;
+  __device__ int n_sink(int end) const { return min(end, Q4_SINK); }
+  __device__ void range(int end, int& lo, int& hi) const {
+    lo = 0;
+    hi = n_sink(end) + (end - max(Q4_SINK, end - Q4_RECENT));
+  }
+  __device__ const float* row(const float* sink, const float* ring, int i, int end) const {
+    const int ns = n_sink(end);
+    if (i < ns) return sink + (size_t)i * HD;
+    const int position = max(Q4_SINK, end - Q4_RECENT) + (i - ns);
+    return ring + (size_t)(position % ring_rows) * HD;
+  }
+  int end_;  // set per block
+  __device__ void key(int i, int lane, float* d) const {
+    const float* p = row(sink_keys, ring_keys, i, end_) + lane * (HD / WARP);
+#pragma unroll
+    for (int e = 0; e < HD / WARP; ++e) d[e] = p[e];
+  }
+  __device__ void value(int i, int lane, float* d) const {
+    const float* p = row(sink_values, ring_values, i, end_) + lane * (HD / WARP);
+#pragma unroll
+    for (int e = 0; e < HD / WARP; ++e) d[e] = p[e];
+  }
+};
+
+// -------------------------------------------------------------------------- partials ---
+// Block (chunk c, query head h, row t): rows lo + c * chunk .. of the source's range; warp w takes
+// every ATT_WARPS-th row with its own running max m, sum l and weighted values acc (D dims per
+// lane); the four warps merge in shared memory. Output slot: chunk_offset + c of n_slots.
+template <int HD, class Rows>
+__device__ void attention_partial(const Rows& rows, const float* qs, int row_lo, int row_hi, int t, int h, int heads,
+                                  int chunk, int chunk_offset, int n_slots, float scale, float* part_ml,
+                                  float* part_acc) {
+  constexpr int D = HD / WARP;
+  __shared__ float merge_m[ATT_WARPS], merge_l[ATT_WARPS];
+  __shared__ float merge_acc[ATT_WARPS][HD];
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int lo = row_lo + blockIdx.x * chunk, hi = min(row_hi, lo + chunk);
+  float q[D], acc[D];
+#pragma unroll
+  for (int e = 0; e < D; ++e) { q[e] = qs[lane * D + e]; acc[e] = 0.0f; }
+  float m = NEG_INF, l = 0.0f;
+  for (int i = lo + warp; i < hi; i += ATT_WARPS) {
+    float kd[D], vd[D];
+    rows.key(i, lane, kd);
+    float s = 0.0f;
+#pragma unroll
+    for (int e = 0; e < D; ++e) s += q[e] * kd[e];
+    s = warp_sum(s) * scale;
+    const float m_new = fmaxf(m, s);
+    const float correction = expf(m - m_new);  // 0 on the first row (m = -inf)
+    const float p = expf(s - m_new);
+    rows.value(i, lane, vd);
+    l = l * correction + p;
+#pragma unroll
+    for (int e = 0; e < D; ++e) acc[e] = acc[e] * correction + p * vd[e];
+    m = m_new;
+  }
+  if (lane == 0) { merge_m[warp] = m; merge_l[warp] = l; }
+#pragma unroll
+  for (int e = 0; e < D; ++e) merge_acc[warp][lane * D + e] = acc[e];
+  __syncthreads();
+  float M = NEG_INF;
+#pragma unroll
+  for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, merge_m[w]);
+  const size_t slot = ((size_t)t * heads + h) * n_slots + chunk_offset + blockIdx.x;
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+    float a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; ++w)
+      if (merge_m[w] != NEG_INF) a += expf(merge_m[w] - M) * merge_acc[w][i];
+    part_acc[slot * HD + i] = a;
+  }
+  if (threadIdx.x == 0) {
+    float L = 0.0f;
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; ++w)
+      if (merge_m[w] != NEG_INF) L += expf(merge_m[w] - M) * merge_l[w];
+    part_ml[2 * slot] = M;
+    part_ml[2 * slot + 1] = L;
+  }
+}
+
+// Launch (all partials): grid (chunks, heads, T), block 128. q compact [T, heads, HD] fp32.
+// part_ml [T, heads, n_slots, 2] and part_acc [T, heads, n_slots, HD] fp32.
+template <int HD>
+__device__ void attention_partial_bf16(const float* q, const u16* keys, const u16* values, int capacity,
+                                       const int* start, int heads, int kv, int chunk, float scale,
+                                       float* part_ml, float* part_acc, int n_slots) {
+  __shared__ float qs[HD];
+  const int h = blockIdx.y, t = blockIdx.z, kvh = h / (heads / kv);
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] = q[((size_t)t * heads + h) * HD + i];
+  __syncthreads();
+  const Bf16Rows<HD> rows{keys + (size_t)kvh * capacity * HD, values + (size_t)kvh * capacity * HD};
+  int lo, hi;
+  rows.range(*start + t + 1, lo, hi);
+  attention_partial<HD>(rows, qs, lo, hi, t, h, heads, chunk, 0, n_slots, scale, part_ml, part_acc);
+}
+
+// q4 cache, quantized middle rows, slots chunk_offset.. (after the exact rows' slots).
+template <int HD>
+__device__ void attention_partial_q4(const float* q, const float* signs, const u8* key_codes, const u16* key_scales,
+                                     const u8* value_codes, const u16* value_scales, int capacity, const int* start,
+                                     int heads, int kv, int chunk, float scale, float* part_ml, float* part_acc,
+                                     int chunk_offset, int n_slots) {
+  __shared__ float qs[HD];
+  const int h = blockIdx.y, t = blockIdx.z, kvh = h / (heads / kv);
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] = q[((size_t)t * heads + h) * HD + i] * signs[i];
+  block_fwht(qs, HD);  // q_rot = H diag(s) q / sqrt(HD)
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] *= 1.0f / sqrtf((float)HD);
+  __syncthreads();
+  const Q4Rows<HD> rows{key_codes + (size_t)kvh * capacity * (HD / 2), value_codes + (size_t)kvh * capacity * (HD / 2),
+                        key_scales + (size_t)kvh * capacity * (HD / 32), value_scales + (size_t)kvh * capacity * (HD / 32)};
+  int lo, hi;
+  rows.range(*start + t + 1, lo, hi);
+  attention_partial<HD>(rows, qs, lo, hi, t, h, heads, chunk, chunk_offset, n_slots, scale, part_ml, part_acc);
+}
+
+// q4 cache, exact rows (sink and recent window), slots 0..
+template <int HD>
+__device__ void attention_partial_exact(const float* q, const float* sink_keys, const float* sink_values,
+                                        const float* ring_keys, const float* ring_values, int ring_rows,
+                                        const int* start, int heads, int kv, int chunk, float scale, float* part_ml,
+                                        float* part_acc, int n_slots) {
+  __shared__ float qs[HD];
+  const int h = blockIdx.y, t = blockIdx.z, kvh = h / (heads / kv);
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] = q[((size_t)t * heads + h) * HD + i];
+  __syncthreads();
+  ExactRows<HD> rows{sink_keys + (size_t)kvh * Q4_SINK * HD, sink_values + (size_t)kvh * Q4_SINK * HD,
+                     ring_keys + (size_t)kvh * ring_rows * HD, ring_values + (size_t)kvh * ring_rows * HD, ring_rows};
+  rows.end_ = *start + t + 1;
+  int lo, hi;
+  rows.range(rows.end_, lo, hi);
+  attention_partial<HD>(rows, qs, lo, hi, t, h, heads, chunk, 0, n_slots, scale, part_ml, part_acc);
+}
+
+#define ATTENTION_PARTIALS(HD)                                                                                  \
+  extern "C" __global__ void __launch_bounds__(128) attention_partial_bf16_hd##HD(                             \
+      const float* q, const u16* keys, const u16* values, int capacity, const int* start, int heads, int kv,   \
+      int chunk, float scale, float* part_ml, float* part_acc, int n_slots) {                                  \
+    attention_partial_bf16<HD>(q, keys, values, capacity, start, heads, kv, chunk, scale, part_ml, part_acc,   \
+                               n_slots);                                                                        \
+  }                                                                                                             \
+  extern "C" __global__ void __launch_bounds__(128) attention_partial_q4_hd##HD(                               \
+      const float* q, const float* signs, const u8* key_codes, const u16* key_scales, const u8* value_codes,   \
+      const u16* value_scales, int capacity, const int* start, int heads, int kv, int chunk, float scale,      \
+      float* part_ml, float* part_acc, int chunk_offset, int n_slots) {                                        \
+    attention_partial_q4<HD>(q, signs, key_codes, key_scales, value_codes, value_scales, capacity, start,      \
+                             heads, kv, chunk, scale, part_ml, part_acc, chunk_offset, n_slots);               \
+  }                                                                                                             \
+  extern "C" __global__ void __launch_bounds__(128) attention_partial_exact_hd##HD(                            \
+      const float* q, const float* sink_keys, const float* sink_values, const float* ring_keys,                \
+      const float* ring_values, int ring_rows, const int* start, int heads, int kv, int chunk, float scale,    \
+      float* part_ml, float* part_acc, int n_slots) {                                                          \
+    attention_partial_exact<HD>(q, sink_keys, sink_values, ring_keys, ring_values, ring_rows, start, heads,    \
+                                kv, chunk, scale, part_ml, part_acc, n_slots);                                 \
+  }
+ATTENTION_PARTIALS(64)
+ATTENTION_PARTIALS(128)
+ATTENTION_PARTIALS(256)
+
+// --------------------------------------------------------------------------- combine ---
+// out[t, h] = (sum over slots of e^(m_c - M) acc_c, the rotated slots unrotated) / (sum e^(m_c - M) l_c).
+// Slots [0, n_plain) are in the model's basis, [n_plain, n_slots) rotated (q4 middle rows; signs
+// given). Launch: grid (heads, T), block HD.
+extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                                             const float* __restrict__ signs, float* __restrict__ out, int HD,
+                                             int n_plain, int n_slots) {
+  __shared__ float rotated[256];
+  const int h = blockIdx.x, t = blockIdx.y, heads = gridDim.x, i = threadIdx.x;
+  const size_t first = ((size_t)t * heads + h) * n_slots;
+  float M = NEG_INF;
+  for (int c = 0; c < n_slots; ++c) M = fmaxf(M, part_ml[2 * (first + c)]);
+  float L = 0.0f, plain = 0.0f, rot = 0.0f;
+  for (int c = 0; c < n_slots; ++c) {
+    const float m = part_ml[2 * (first + c)];
+    if (m == NEG_INF) continue;  // an empty chunk
+    const float w = expf(m - M);
+    L += w * part_ml[2 * (first + c) + 1];
+    const float a = w * part_acc[(first + c) * HD + i];
+    if (c < n_plain) plain += a; else rot += a;
+  }
+  if (n_slots > n_plain) {  // unrotate: (r @ H / sqrt(HD)) * signs
+    rotated[i] = rot;
+    block_fwht(rotated, HD);
+    plain += rotated[i] * (1.0f / sqrtf((float)HD)) * signs[i];
+  }
+  out[((size_t)t * heads + h) * HD + i] = plain / L;
+}
+
+// ------------------------------------------------------------------------- appending ---
+// New rows k, v compact [T, kv, HD] at positions *start + t.
+
+// bf16 cache. Launch: grid (T, kv), block HD.
+extern "C" __global__ void kv_append_bf16(const float* __restrict__ k, const float* __restrict__ v,
+                                          u16* __restrict__ keys, u16* __restrict__ values, const int* start,
+                                          int capacity, int HD) {
+  const int t = blockIdx.x, kvh = blockIdx.y, kv = gridDim.y, i = threadIdx.x;
+  const size_t src = ((size_t)t * kv + kvh) * HD + i;
+  const size_t dst = ((size_t)kvh * capacity + *start + t) * HD + i;
+  keys[dst] = f32_to_bf16(k[src]);
+  values[dst] = f32_to_bf16(v[src]);
+}
+
+// q4 cache (Q4KVCache.append): the exact row to the ring (and the sink for positions < SINK); the
+// rotated row r = H diag(s) x / sqrt(HD) coded per 32: scale = f16(absmax / 7),
+// code = clip(rint(r / scale), -7, 7) + 8, value 2i in the low nibble. One warp per 32-group.
+// blockIdx.z: 0 keys, 1 values. Launch: grid (T, kv, 2), block HD.
+extern "C" __global__ void kv_append_q4(const float* __restrict__ k, const float* __restrict__ v,
+                                        const float* __restrict__ signs, u8* key_codes, u16* key_scales,
+                                        u8* value_codes, u16* value_scales, float* sink_keys, float* sink_values,
+                                        float* ring_keys, float* ring_values, int ring_rows, const int* start,
+                                        int capacity, int HD) {
+  __shared__ float r[256];
+  const int t = blockIdx.x, kvh = blockIdx.y, kv = gridDim.y, i = threadIdx.x, lane = i % WARP;
+  const bool is_value = blockIdx.z == 1;
+  const int position = *start + t;
+  const float x = (is_value ? v : k)[((size_t)t * kv + kvh) * HD + i];
+  float* ring = is_value ? ring_values : ring_keys;
+  ring[((size_t)kvh * ring_rows + position % ring_rows) * HD + i] = x;
+  if (position < Q4_SINK) (is_value ? sink_values : sink_keys)[((size_t)kvh * Q4_SINK + position) * HD + i] = x;
+  r[i] = x * signs[i];
+  block_fwht(r, HD);
+  const float y = r[i] * (1.0f / sqrtf((float)HD));
+  const u16 scale_bits = f32_to_f16(warp_max(fabsf(y)) / 7.0f);
+  const float scale = f16_to_f32(scale_bits);
+  const float level = scale == 0.0f ? 0.0f : fminf(7.0f, fmaxf(-7.0f, rintf(y / scale)));
+  const u32 code = (u32)((int)level + 8);
+  const u32 high = __shfl_down_sync(0xffffffffu, code, 1);  // the odd neighbour's code
+  const size_t row = (size_t)kvh * capacity + position;
+  if (lane % 2 == 0) (is_value ? value_codes : key_codes)[row * (HD / 2) + i / 2] = (u8)(code | (high << 4));
+  if (lane == 0) (is_value ? value_scales : key_scales)[row * (HD / 32) + i / 32] = scale_bits;
+}

@@ -1,0 +1,143 @@
+// Shared device helpers for duet's kernels. No CUDA headers are included: bf16 and fp16 values
+// travel as their bit patterns (uint16 / packed uint32) and every conversion is one PTX
+// instruction, so NVRTC needs no include path beyond this folder and the code means the same
+// under NVRTC and nvcc.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned long long u64;
+
+#define WARP 32
+#define NEG_INF __int_as_float(0xff800000u)
+
+// ---------------------------------------------------------------------------------- loads ---
+
+// A streamed weight is read exactly once per pass: `.nc` takes the read-only (texture) path and
+// `L1::no_allocate` keeps it from evicting the activations and scales that every warp re-reads
+// from L1. 16 bytes per thread per instruction is the widest global load.
+__device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32 ld_stream_u32(const void* p) {
+  u32 r;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ u32 ld_stream_u16(const void* p) {
+  u16 r;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+
+// ----------------------------------------------------------------------- float formats ---
+
+// bf16 is the top half of an fp32: widening is a shift, exact.
+__device__ __forceinline__ float bf16_to_f32(u32 bits16) { return __uint_as_float(bits16 << 16); }
+
+// fp32 -> bf16 bits, round to nearest even (what engine.quant.activation.f32_to_bf16_bits does).
+__device__ __forceinline__ u16 f32_to_bf16(float x) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+
+// Two fp32 -> one bf16x2 register: `lo` lands in bits 0..15, `hi` in 16..31.
+__device__ __forceinline__ u32 f32x2_to_bf16x2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 bits) {
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(bits));
+  return r;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float x) {
+  u16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+  return r;
+}
+
+// ----------------------------------------------------------------------- bit tricks ---
+
+// lop3 evaluates any 3-input boolean function in one instruction; the immediate is the truth
+// table of f(a, b, c) on a = 0xF0, b = 0xCC, c = 0xAA. (a & b) | c -> (0xF0 & 0xCC) | 0xAA = 0xEA.
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+// W4 nibble pair -> two exact bf16 levels (REFERENCE.md section 3). `word` holds eight nibbles,
+// input 8j + i at bits 4i..4i+3 stored as u = level + 8. For i in 0..3,
+//   (word >> 4i) & 0x000F000F | 0x43004300
+// puts u_i in the low mantissa bits of a bf16 128.0 (0x4300) in the low half, u_{i+4} in the high
+// half: bf16 spacing at 128 is exactly 1, so the halves ARE 128 + u_i and 128 + u_{i+4}. One
+// fma.rn.bf16x2 with 1.0 (0x3F80) and -136.0 (0xC308) subtracts 136 = 128 + 8 exactly, giving the
+// signed levels u - 8 in -8..7. Two instructions per pair; the halves hold inputs i and i + 4.
+__device__ __forceinline__ u32 w4_pair_bf16x2(u32 word, int i) {
+  u32 biased = and_or(word >> (4 * i), 0x000F000Fu, 0x43004300u);
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(biased), "r"(0x3F803F80u), "r"(0xC308C308u));
+  return r;
+}
+
+// Byte permute: result byte i = byte sel_i of the 8-byte value {hi:lo} (sel nibble i, 0..7).
+__device__ __forceinline__ u32 prmt(u32 lo, u32 hi, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sel));
+  return r;
+}
+
+// ------------------------------------------------------------------------ reductions ---
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+// `scratch` holds 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0.0f;
+  return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : NEG_INF;
+  return warp_max(v);
+}
+
+// ------------------------------------------------------------------ scalar functions ---
+// The CPU forward's definitions (engine/model.py), in fp32.
+
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+// log(1 + e^x) as numpy's logaddexp(0, x): max + log1p(exp(-|x|)).
+__device__ __forceinline__ float softplus_f(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }

@@ -1,0 +1,85 @@
+// Norms, RoPE and gates of the Qwen3.5 forward, fused where one row's data meets (engine/model.py:
+// rms_norm, apply_rope, l2_normalize, silu, sigmoid). All fp32; one block per row unless noted.
+#include "common.cuh"
+
+// y = x / sqrt(mean(x^2) + eps) * w over rows of D (zero-centred norms pass w = 1 + weight).
+// Launch: grid R, block 256.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+                                    int D, float eps) {
+  __shared__ float scratch[WARP];
+  const float* row = x + (size_t)blockIdx.x * D;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) ss += row[i] * row[i];
+  const float denom = sqrtf(block_sum(ss, scratch) / (float)D + eps);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) y[(size_t)blockIdx.x * D + i] = row[i] / denom * w[i];
+}
+
+// DeltaNet's gated norm per value head: y = (x / sqrt(mean(x^2) + eps) * w) * silu(z), rows of D.
+// Launch: grid R (= T * Hv), block 128.
+extern "C" __global__ void gated_rms_norm(const float* __restrict__ x, const float* __restrict__ z,
+                                          const float* __restrict__ w, float* __restrict__ y, int D, float eps) {
+  __shared__ float scratch[WARP];
+  const size_t base = (size_t)blockIdx.x * D;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) ss += x[base + i] * x[base + i];
+  const float denom = sqrtf(block_sum(ss, scratch) / (float)D + eps);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) y[base + i] = x[base + i] / denom * w[i] * silu_f(z[base + i]);
+}
+
+// DeltaNet's q and k: y = x / sqrt(sum(x^2) + 1e-6) * scale per head of D (scale DK^-0.5 for q,
+// 1 for k). Input rows may be strided (heads inside in_proj_qkv's output): row r of head size D
+// starts at x + (r / heads) * row_stride + (r % heads) * D. Output compact [R, D].
+// Launch: grid R, block 32 * ceil(D / 32) (at most 1024).
+extern "C" __global__ void l2_norm_heads(const float* __restrict__ x, float* __restrict__ y, int heads, int D,
+                                         long long row_stride, float scale) {
+  __shared__ float scratch[WARP];
+  const float* row = x + (size_t)(blockIdx.x / heads) * row_stride + (size_t)(blockIdx.x % heads) * D;
+  const float v = threadIdx.x < D ? row[threadIdx.x] : 0.0f;
+  const float denom = sqrtf(block_sum(v * v, scratch) + 1e-6f);
+  if (threadIdx.x < D) y[(size_t)blockIdx.x * D + threadIdx.x] = v / denom * scale;
+}
+
+// Attention q or k heads: zero-centred RMSNorm over the head (w = 1 + weight), then NeoX RoPE on
+// the first rotary_dim dims, pairs (i, i + rotary_dim / 2), angle = position * inv_freq[i] in fp32
+// (inv_freq as the CPU's rope_tables computes it, uploaded once). The position of row t is
+// *start + t, read on the device so a captured graph replays at any position.
+// x row t, head h at x + t * row_stride + h * head_stride (q_proj packs [query | gate] per head).
+// Output compact [T, heads, D]. Launch: grid (heads, T), block D (64 .. 256).
+extern "C" __global__ void qk_norm_rope(const float* __restrict__ x, const float* __restrict__ w,
+                                        const float* __restrict__ inv_freq, const int* __restrict__ start,
+                                        float* __restrict__ y, int D, long long row_stride, int head_stride,
+                                        int rotary_dim, float eps) {
+  __shared__ float scratch[WARP];
+  __shared__ float normed[256];
+  const int h = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
+  const float v = x[(size_t)t * row_stride + (size_t)h * head_stride + i];
+  const float denom = sqrtf(block_sum(v * v, scratch) / (float)D + eps);
+  normed[i] = v / denom * w[i];
+  __syncthreads();
+  const int half = rotary_dim / 2;
+  float r = normed[i];
+  if (i < rotary_dim) {
+    const float angle = (float)(*start + t) * inv_freq[i % half];
+    const float c = cosf(angle), s = sinf(angle);
+    r = i < half ? normed[i] * c - normed[i + half] * s : normed[i] * c + normed[i - half] * s;
+  }
+  y[((size_t)t * gridDim.x + h) * D + i] = r;
+}
+
+// out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]: the SwiGLU of a fused gate|up product.
+extern "C" __global__ void silu_mul(const float* __restrict__ gate_up, float* __restrict__ out, int I, long long n) {
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= n) return;
+  const long long t = idx / I, i = idx % I;
+  out[idx] = silu_f(gate_up[t * 2 * I + i]) * gate_up[t * 2 * I + I + i];
+}
+
+// Gated attention output: out[t, h, i] = attn[t, h, i] * sigmoid(gate), the gate being the second
+// half of q_proj's per-head [query | gate] (q_and_gate [T, heads, 2D]).
+extern "C" __global__ void attention_gate(const float* __restrict__ attn, const float* __restrict__ q_and_gate,
+                                          float* __restrict__ out, int D, long long n) {
+  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= n) return;
+  const long long head_row = idx / D, i = idx % D;
+  out[idx] = attn[idx] * sigmoid_f(q_and_gate[head_row * 2 * D + D + i]);
+}

@@ -1,0 +1,314 @@
+// W4A8 ("ampere" route): int8 activations against integer weight levels, integer dot products
+// per block, fp32 rescale and sum (DESIGN.md contracts; CPU reference engine/backend/cpu.py
+// W4A8Linear and TrellisLinear).
+//
+//   quantize_int8_blocks   x fp32 [T, K] -> q int8 [T, K], scale fp32 [T, K/32]
+//                          scale = absmax / 127, q = rint(x / scale) (ties to even), as
+//                          engine/quant/activation.py, bit for bit (IEEE division, no fma).
+//   rotate_quantize_int8   the trellis route's activations: each 128-block times diag(signs) and
+//                          the Walsh-Hadamard butterflies (the CPU's order of adds, so the
+//                          rotation is bit-identical), / sqrt(128), then int8 per 128-block.
+//   int8_gemv_<codec>      y [T, N] for T <= 16 from weights decoded to int8 per 32-input unit:
+//                          y[t, n] = sum_u dot_u(levels, q[t]) * (wscale[n, u] * ascale[t, u]).
+//   trellis_gemv           y[t, n] = row_scale[n] * sum_b ascale[t, b] * dot_b(levels, q[t]),
+//                          levels decoded from the tile streams by the 1MAD + dp4a trick.
+#include "common.cuh"
+
+#define MAX_T 16  // token rows per weight read (a decode step or a verify of 1 + 15 drafts)
+
+// --------------------------------------------------------------- activation quantization ---
+
+// One warp per 32-input block, one input per lane. Launch: blocks of 256 threads, T * K / 32 warps.
+extern "C" __global__ void quantize_int8_blocks(const float* __restrict__ x, signed char* __restrict__ q,
+                                                float* __restrict__ scale, long long n_blocks) {
+  const long long block = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+  if (block >= n_blocks) return;  // whole warps leave together: n_blocks counts warps
+  const float v = x[block * 32 + threadIdx.x % WARP];
+  const float s = warp_max(fabsf(v)) / 127.0f;
+  const float safe = s > 0.0f ? s : 1.0f;  // an all-zero block: scale 0, codes 0
+  q[block * 32 + threadIdx.x % WARP] = (signed char)rintf(v / safe);
+  if (threadIdx.x % WARP == 0) scale[block] = s;
+}
+
+// One warp per 128-block; lane L holds inputs 4L .. 4L+3. The CPU's butterflies
+// (trellis._hadamard_blocks) run stages half = 1, 2, 4, ..., 64 and replace (a, b) = (y[i],
+// y[i + half]) by (a + b, a - b) for every i with bit `half` clear. Stages 1 and 2 pair inputs
+// inside a lane; stages 4..64 pair lane L with lane L ^ (half / 4), the lower lane keeping a + b
+// and the upper one a - b with a the lower's value: the same operands in the same order, so the
+// same fp32 results.
+extern "C" __global__ void rotate_quantize_int8(const float* __restrict__ x, const float* __restrict__ signs,
+                                                signed char* __restrict__ q, float* __restrict__ scale,
+                                                long long n_blocks, int K) {
+  const long long block = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+  if (block >= n_blocks) return;
+  const int lane = threadIdx.x % WARP;
+  const long long base = block * 128 + 4 * lane;
+  const int col = (int)(base % K);  // the signs run along K
+  float y[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) y[i] = x[base + i] * signs[col + i];
+  // half = 1 and 2: within the lane
+  float a = y[0] + y[1], b = y[0] - y[1], c = y[2] + y[3], d = y[2] - y[3];
+  y[0] = a + c; y[1] = b + d; y[2] = a - c; y[3] = b - d;
+#pragma unroll
+  for (int half_lanes = 1; half_lanes < WARP; half_lanes <<= 1) {
+    const bool upper = lane & half_lanes;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float other = __shfl_xor_sync(0xffffffffu, y[i], half_lanes);
+      y[i] = upper ? other - y[i] : y[i] + other;
+    }
+  }
+  float m = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    y[i] = y[i] * 0.08838834764831845f;  // float32(1 / sqrt(128)), as the CPU's constant
+    m = fmaxf(m, fabsf(y[i]));
+  }
+  const float s = warp_max(m) / 127.0f;
+  const float safe = s > 0.0f ? s : 1.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) q[base + i] = (signed char)rintf(y[i] / safe);
+  if (lane == 0) scale[block] = s;
+}
+
+// ------------------------------------------------------------------------ weight codecs ---
+// Each codec decodes 32-input unit u of one weight row into eight int8x4 words, inputs 4i..4i+3
+// in word i (natural order, matching the activation's bytes), and returns the unit's fp32 scale.
+// `row` is the row's first byte; `scales` the W4 layout's bf16 scale row (other codecs keep
+// their scales inside the blocks).
+
+// Per byte a - b mod 256: nibble - 8 as a two's-complement int8 in every byte at once.
+__device__ __forceinline__ u32 sub8_bytes(u32 v) { return __vsub4(v, 0x08080808u); }
+
+struct W4Codec {  // engine W4 layout: word j holds inputs 8j + i at bits 4i; bf16 scale per 128
+  static __device__ __forceinline__ float decode(const u8* row, const u16* scales, int u, u32* lv) {
+    const uint4 w = ld_stream_u4(row + 16 * u);
+    const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32 even = words[j] & 0x0F0F0F0Fu;         // inputs 0, 2, 4, 6 of the word, one per byte
+      const u32 odd = (words[j] >> 4) & 0x0F0F0F0Fu;   // inputs 1, 3, 5, 7
+      lv[2 * j] = sub8_bytes(prmt(even, odd, 0x5140));     // bytes: even0 odd0 even1 odd1 = inputs 0..3
+      lv[2 * j + 1] = sub8_bytes(prmt(even, odd, 0x7362)); // inputs 4..7
+    }
+    return bf16_to_f32(ld_stream_u16(scales + u / 4));
+  }
+};
+
+// GGUF blocks start at 2-byte boundaries (18 and 34 bytes), so their bytes are read as u16 pairs.
+__device__ __forceinline__ u32 ld_u32_from_u16s(const u8* p) {
+  return ld_stream_u16(p) | (ld_stream_u16(p + 2) << 16);
+}
+
+struct Q8_0Codec {  // 34 B / 32: d f16 | qs int8[32]; level = qs
+  static __device__ __forceinline__ float decode(const u8* row, const u16*, int u, u32* lv) {
+    const u8* block = row + 34 * u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) lv[i] = ld_u32_from_u16s(block + 2 + 4 * i);
+    return f16_to_f32(ld_stream_u16(block));
+  }
+};
+
+struct Q4_0Codec {  // 18 B / 32: d f16 | qs[16]; input k < 16 low nibble of qs[k], k >= 16 high of qs[k-16]
+  static __device__ __forceinline__ float decode(const u8* row, const u16*, int u, u32* lv) {
+    const u8* block = row + 18 * u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 qs = ld_u32_from_u16s(block + 2 + 4 * i);
+      lv[i] = sub8_bytes(qs & 0x0F0F0F0Fu);
+      lv[4 + i] = sub8_bytes((qs >> 4) & 0x0F0F0F0Fu);
+    }
+    return f16_to_f32(ld_stream_u16(block));
+  }
+};
+
+// IQ4_XS's 16 non-uniform levels (gguf_blocks.IQ4_KVALUES) as four little-endian int8x4 words.
+// A table lookup for four nibbles at once, with no local memory: prmt picks a byte out of 8 by a
+// 3-bit selector, so entries 0..7 come from (tab0, tab1) and 8..15 from (tab2, tab3); bit 3 of
+// each nibble chooses between the two per byte.
+__device__ __forceinline__ u32 iq4_lookup(u32 nibbles) {  // one nibble (0..15) per byte
+  const u32 low3 = nibbles & 0x07070707u;
+  const u32 packed = low3 | (low3 >> 4);                      // byte selectors 0,1 in bits 0..7, 2,3 in 16..23
+  const u32 sel = (packed & 0xFFu) | ((packed >> 8) & 0xFF00u);  // four 4-bit selectors
+  const u32 from_low = prmt(0xBFAD9881u, 0xF6EADDCFu, sel);   // -127 -104 -83 -65 | -49 -35 -22 -10
+  const u32 from_high = prmt(0x26190D01u, 0x71594535u, sel);  //    1   13  25  38 |  53  69  89 113
+  const u32 high = ((nibbles >> 3) & 0x01010101u) * 0xFFu;    // 0xFF in bytes whose nibble is >= 8
+  return (from_high & high) | (from_low & ~high);
+}
+
+struct IQ4_XSCodec {  // 136 B / 256: d f16 | scales_h u16 | scales_l[4] | qs[128]; 8 units of 32
+  static __device__ __forceinline__ float decode(const u8* row, const u16*, int u, u32* lv) {
+    const u8* block = row + 136 * (u / 8);
+    const int s = u % 8;
+    const u32 scales_h = ld_stream_u16(block + 2);
+    const u32 scales_l = ld_stream_u16(block + 4 + 2 * (s / 4));  // bytes 4 + s/2: read the u16 holding it
+    const u32 low4 = (scales_l >> (4 * (s % 4))) & 0xF;          // byte s/2, nibble s % 2
+    const int ls = (int)(low4 | (((scales_h >> (2 * s)) & 3) << 4)) - 32;
+    const u8* qs = block + 8 + 16 * s;  // 16 bytes: low nibbles are inputs 0..15, high 16..31
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 q = ld_stream_u32(qs + 4 * i);
+      lv[i] = iq4_lookup(q & 0x0F0F0F0Fu);
+      lv[4 + i] = iq4_lookup((q >> 4) & 0x0F0F0F0Fu);
+    }
+    return f16_to_f32(ld_stream_u16(block)) * (float)ls;
+  }
+};
+
+// ------------------------------------------------------------------ int8 GEMV (dp4a) ---
+// One warp per weight row, 8 rows per block; lane L takes units L, L + 32, ... of the row, so a
+// warp's loads cover 32 consecutive units (contiguous bytes). Per unit and token: eight dp4a
+// (exact int32), one fp32 multiply by weight scale x activation scale (the product formed first,
+// as the CPU does), one fp32 add. Lanes are summed at the end.
+template <class Codec>
+__device__ void int8_gemv(const u8* __restrict__ weights, const u16* __restrict__ scales, long long row_bytes,
+                          const signed char* __restrict__ q, const float* __restrict__ ascale,
+                          float* __restrict__ out, int N, int K, int T) {
+  const int lane = threadIdx.x % WARP;
+  const int n = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (n >= N) return;
+  const int U = K / 32;
+  const u8* row = weights + n * row_bytes;
+  const u16* row_scales = scales ? scales + (size_t)n * (K / 128) : nullptr;
+  float acc[MAX_T];
+#pragma unroll
+  for (int t = 0; t < MAX_T; ++t) acc[t] = 0.0f;
+  for (int u = lane; u < U; u += WARP) {
+    u32 lv[8];
+    const float ws = Codec::decode(row, row_scales, u, lv);
+#pragma unroll
+    for (int t = 0; t < MAX_T; ++t) {
+      if (t < T) {
+        const uint4* a = reinterpret_cast<const uint4*>(q + (size_t)t * K + 32 * u);
+        const uint4 a0 = a[0], a1 = a[1];
+        int dot = __dp4a((int)lv[0], (int)a0.x, 0);
+        dot = __dp4a((int)lv[1], (int)a0.y, dot);
+        dot = __dp4a((int)lv[2], (int)a0.z, dot);
+        dot = __dp4a((int)lv[3], (int)a0.w, dot);
+        dot = __dp4a((int)lv[4], (int)a1.x, dot);
+        dot = __dp4a((int)lv[5], (int)a1.y, dot);
+        dot = __dp4a((int)lv[6], (int)a1.z, dot);
+        dot = __dp4a((int)lv[7], (int)a1.w, dot);
+        acc[t] += (float)dot * (ws * ascale[(size_t)t * U + u]);
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < MAX_T; ++t) {
+    if (t < T) {
+      const float sum = warp_sum(acc[t]);
+      if (lane == 0) out[(size_t)t * N + n] = sum;
+    }
+  }
+}
+
+// Launch: grid ceil(N / 8), block 256. row_bytes: bytes of one weight row (W4: K / 2).
+#define INT8_GEMV(codec_name, Codec)                                                                      \
+  extern "C" __global__ void __launch_bounds__(256) int8_gemv_##codec_name(                              \
+      const u8* weights, const u16* scales, long long row_bytes, const signed char* q, const float* ascale, \
+      float* out, int N, int K, int T) {                                                                  \
+    int8_gemv<Codec>(weights, scales, row_bytes, q, ascale, out, N, K, T);                                \
+  }
+INT8_GEMV(w4, W4Codec)
+INT8_GEMV(q8_0, Q8_0Codec)
+INT8_GEMV(q4_0, Q4_0Codec)
+INT8_GEMV(iq4_xs, IQ4_XSCodec)
+
+// --------------------------------------------------------------------------- trellis ---
+// engine/quant/trellis.py: a 16 x 8 tile (row-major, weight t = 8 * row + col) is a circular
+// stream of 128 * k bits, MSB first; weight t's state is the 16-bit window ending at bit (t+1)k;
+// level = byte 1 of dp4a(state * C, 0x40404040, 128), minus 128. Tiles are stored row tile major,
+// then column tile: the 16 tiles of a 128-column block of a row tile are contiguous.
+//
+// A block owns one 16-row tile and TR_WARPS warps split its 128-blocks. Per 128-block a warp
+// copies the 16 tile streams (16 * 16k bytes, coalesced) into shared memory, then lane
+// (r = lane % 16, h = lane / 16) decodes row r of tiles 8h .. 8h+7: the 64 levels of row r over
+// columns 64h .. 64h+63, kept as sixteen int8x4 registers for every token. The two halves' dots
+// meet in one shuffle; the block's dot is exact before the activation scale multiplies it.
+#define TR_WARPS 4
+#define TR_MAX_TILE_BYTES 64  // k = 4: 128 * 4 / 8
+
+// The 8 levels of row r of one tile (stream bytes `tile`, `tile_bytes` of them) as two int8x4.
+__device__ __forceinline__ void trellis_row_levels(const u8* tile, int tile_bytes, int k, u32 multiplier, int r,
+                                                   u32* lv) {
+  const int L = 8 * tile_bytes;                     // stream bits
+  const int first = ((8 * r + 1) * k - 16 + L) % L;  // window start of the row's first weight
+  const int byte0 = first / 8;
+  u64 bits = 0;  // 8 stream bytes from byte0 on, wrapping: covers 16 + 7k + 7 <= 51 bits
+#pragma unroll
+  for (int i = 0; i < 8; ++i) bits = (bits << 8) | tile[(byte0 + i) % tile_bytes];
+  const int skip = first - 8 * byte0;
+  u32 lvl[8];
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const u32 state = (u32)(bits >> (64 - 16 - (skip + c * k))) & 0xFFFFu;
+    // 1MAD: byte sum of state * C by one dp4a against 64 in every byte plus 128: the result is
+    // 64 * (b + 2), so byte 1 is (b + 2) >> 2 = level + 128 (REFERENCE.md section 4).
+    lvl[c] = __dp4a(state * multiplier, 0x40404040u, 128u);
+  }
+  // Gather the byte 1s: prmt selector 1 = byte 1 of the first operand, 5 = byte 1 of the second.
+  const u32 w0 = prmt(prmt(lvl[0], lvl[1], 0x0051), prmt(lvl[2], lvl[3], 0x0051), 0x5410);
+  const u32 w1 = prmt(prmt(lvl[4], lvl[5], 0x0051), prmt(lvl[6], lvl[7], 0x0051), 0x5410);
+  // level + 128 in 0..255 -> level as a two's-complement byte: flip the top bit.
+  lv[0] = w0 ^ 0x80808080u;
+  lv[1] = w1 ^ 0x80808080u;
+}
+
+// Launch: grid N / 16, block 128. packed: tile streams, tile_bytes = 16 k; q int8 [T, K] and
+// ascale [T, K / 128] from rotate_quantize_int8.
+extern "C" __global__ void __launch_bounds__(128) trellis_gemv(const u8* __restrict__ packed, int k, u32 multiplier,
+                                                               const float* __restrict__ row_scale,
+                                                               const signed char* __restrict__ q,
+                                                               const float* __restrict__ ascale,
+                                                               float* __restrict__ out, int N, int K, int T) {
+  __shared__ __align__(16) u8 streams[TR_WARPS][16 * TR_MAX_TILE_BYTES];
+  __shared__ float red[TR_WARPS][16][MAX_T];
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int r = lane % 16, h = lane / 16;
+  const int tile_bytes = 16 * k, B = K / 128;
+  const u8* row_tile = packed + (size_t)blockIdx.x * (K / 8) * tile_bytes;
+  float acc[MAX_T];
+#pragma unroll
+  for (int t = 0; t < MAX_T; ++t) acc[t] = 0.0f;
+
+  for (int b = warp; b < B; b += TR_WARPS) {
+    const uint4* src = reinterpret_cast<const uint4*>(row_tile + (size_t)b * 16 * tile_bytes);
+    uint4* dst = reinterpret_cast<uint4*>(streams[warp]);
+    for (int i = lane; i < tile_bytes; i += WARP) dst[i] = ld_stream_u4(src + i);  // 16 tiles = tile_bytes uint4
+    __syncwarp();
+    u32 lv[16];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) trellis_row_levels(streams[warp] + (8 * h + j) * tile_bytes, tile_bytes, k, multiplier, r, lv + 2 * j);
+    __syncwarp();  // the next block's copy overwrites streams[warp]
+#pragma unroll
+    for (int t = 0; t < MAX_T; ++t) {
+      if (t < T) {
+        const uint4* a = reinterpret_cast<const uint4*>(q + (size_t)t * K + 128 * b + 64 * h);
+        int dot = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint4 av = a[i];
+          dot = __dp4a((int)lv[4 * i], (int)av.x, dot);
+          dot = __dp4a((int)lv[4 * i + 1], (int)av.y, dot);
+          dot = __dp4a((int)lv[4 * i + 2], (int)av.z, dot);
+          dot = __dp4a((int)lv[4 * i + 3], (int)av.w, dot);
+        }
+        dot += __shfl_xor_sync(0xffffffffu, dot, 16);  // columns 0..63 + 64..127: the block's exact dot
+        acc[t] += (float)dot * ascale[(size_t)t * B + b];
+      }
+    }
+  }
+  if (h == 0) {
+#pragma unroll
+    for (int t = 0; t < MAX_T; ++t) red[warp][r][t] = acc[t];
+  }
+  __syncthreads();
+  const int row = threadIdx.x / 8;  // 128 threads: 16 rows x 8 token slots, two tokens each
+  for (int t = threadIdx.x % 8; t < T; t += 8) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < TR_WARPS; ++w) sum += red[w][row][t];
+    out[(size_t)t * N + blockIdx.x * 16 + row] = row_scale[blockIdx.x * 16 + row] * sum;
+  }
+}
