@@ -23,6 +23,7 @@ from engine.errors import DuetError
 BATCH_SECONDS = 0.05
 WARN_SHARE = 0.8  # the context meter warns from this share of the budget on
 TITLE_CHARS = 48
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 SWITCHED = "→"  # a reply whose route or rule was switched while it streamed is saved as "w4a16→w4a8"
 DEFAULT_TITLE = "New chat"
 
@@ -116,14 +117,16 @@ class ChatSession:
 
     # ---- context ----
 
-    def prompt_ids(self, messages: list[Message], new_text: str | None = None) -> list[int]:
-        """Token ids of the prompt for the in-context messages (and a message about to be sent)."""
+    def prompt_text(self, messages: list[Message], new_text: str | None = None) -> str:
+        """The chat template rendered over the in-context messages (and a message about to be sent)."""
         chat = [{"role": "system", "content": self.conversation.system_prompt}] if self.conversation.system_prompt else []
         chat += [{"role": m.role, "content": m.content} for m in messages if m.in_context]
         if new_text is not None:
             chat.append({"role": "user", "content": new_text})
-        tokenizer = self.lm.tokenizer
-        return tokenizer.encode(tokenizer.render_chat(chat, add_generation_prompt=True))
+        return self.lm.tokenizer.render_chat(chat, add_generation_prompt=True)
+
+    def prompt_ids(self, messages: list[Message], new_text: str | None = None) -> list[int]:
+        return self.lm.tokenizer.encode(self.prompt_text(messages, new_text))
 
     def context_used(self) -> int:
         return len(self.prompt_ids(self.messages()))
@@ -174,9 +177,13 @@ class ChatSession:
         messages = self.messages()
         if not messages or messages[-1].role != "user":
             raise DuetError("the conversation does not end with a message to answer")
-        prompt_ids = self.prompt_ids(messages)
+        prompt = self.prompt_text(messages)
+        prompt_ids = self.lm.tokenizer.encode(prompt)
         started = time.perf_counter()
-        batcher = _Batcher(started, batch_seconds)
+        # A template that opens the think block in the prompt: the reply starts inside it, so it
+        # is saved (and shown) with its opening tag, as a model that opens the block itself writes it.
+        opened = THINK_OPEN + "\n" if prompt.rstrip().endswith(THINK_OPEN) else ""
+        batcher = _Batcher(started, batch_seconds, opened)
         for event in generate(self.lm, prompt_ids, options, cancel=cancel, switches=self.switches):
             if isinstance(event, Tokens):
                 chunk = batcher.add(event)
@@ -232,10 +239,10 @@ def reply_options(config: Config, context_budget: int, choices: EngineChoices, a
 class _Batcher:
     """Coalesces per-cycle events into chunks no more often than every `batch_seconds`."""
 
-    def __init__(self, started: float, batch_seconds: float):
+    def __init__(self, started: float, batch_seconds: float, opening: str = ""):
         self.started, self.batch_seconds = started, batch_seconds
-        self.text: list[str] = []
-        self.pending: list[str] = []
+        self.text: list[str] = [opening]  # the reply as saved
+        self.pending: list[str] = [opening]  # not yet sent to the UI
         self.first_token_s: float | None = None
         self._last_time, self._last_tokens, self._recent_tok_s = started, 0, 0.0
 
@@ -259,6 +266,20 @@ class _Batcher:
 
     def readout(self, stats: Stats) -> Readout:
         return Readout.of(stats, self._recent_tok_s, self.first_token_s)
+
+
+def split_thinking(text: str, streaming: bool = False) -> tuple[str | None, str]:
+    """(reasoning, answer) of a reply; reasoning is None when the reply has no <think> block.
+
+    While the block is still open, everything so far is reasoning. While streaming, a start that
+    may yet become `<think>` is held back.
+    """
+    stripped = text.lstrip()
+    if not stripped.startswith(THINK_OPEN):
+        undecided = streaming and stripped and THINK_OPEN.startswith(stripped)
+        return (None, "") if undecided else (None, text)
+    reasoning, closed, answer = stripped[len(THINK_OPEN):].partition(THINK_CLOSE)
+    return reasoning.strip(), answer.lstrip() if closed else ""
 
 
 def _oldest_turn(messages: list[Message]) -> list[Message]:

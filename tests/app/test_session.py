@@ -7,7 +7,7 @@ import threading
 import pytest
 from conftest import build_reference, save_reference
 
-from app.session import ChatSession, ContextFull, EngineChoices, ReplyChunk, ReplyDone, reply_options
+from app.session import ChatSession, ContextFull, EngineChoices, ReplyChunk, ReplyDone, reply_options, split_thinking
 from app.settings import Config
 from app.store import Store
 from engine import GenerateOptions, load_model
@@ -141,3 +141,39 @@ def test_reply_options_follow_the_config_and_the_engine_choices():
     assert (options.draft, options.depth, options.kv) == ("ngram", 3, "q4")
     assert options.sampling.temperature == 0.5 and options.sampling.top_k == 20 and options.sampling.seed is None
     assert reply_options(Config(seed=3), 1024, EngineChoices(), "exact").sampling.seed == 3
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("Plain answer", (None, "Plain answer")),
+    ("<think>\nweighing it up\n</think>\n\nThe answer", ("weighing it up", "The answer")),
+    ("<think>\n\n</think>\n\nThe answer", ("", "The answer")),
+    ("<think>\nstill going", ("still going", "")),
+    ("\n<think>x</think>y", ("x", "y")),
+    ("<thi", (None, "<thi")),
+    ("a </think> in the middle is text", (None, "a </think> in the middle is text")),
+])
+def test_split_thinking_parts_a_reply_into_reasoning_and_answer(text, expected):
+    assert split_thinking(text) == expected
+
+
+def test_while_streaming_a_start_that_may_become_a_think_tag_is_held_back():
+    assert split_thinking("<thi", streaming=True) == (None, "")
+    assert split_thinking("<tho", streaming=True) == (None, "<tho")
+
+
+def test_a_template_that_opens_the_think_block_gives_a_reply_saved_with_its_opening_tag(store, tmp_path_factory):
+    """Qwen3.5's template ends the prompt inside `<think>\\n`; the reply is saved as the model wrote it there."""
+    import json
+    folder = save_reference(build_reference("qwen3_5_text"), tmp_path_factory.mktemp("thinking") / "tiny")
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = config["chat_template"].replace("{% if enable_thinking", "<think>\n{% if enable_thinking")
+    config_path.write_text(json.dumps(config))
+    session = new_session(store, load_model(folder))
+    session.add_user_message("fox")
+    assert session.prompt_text(session.messages()).endswith("<think>\n")
+    events = reply(session, GenerateOptions(max_tokens=8, draft="none"))
+    saved = session.messages()[-1]
+    assert events[0].text.startswith("<think>\n") and saved.content.startswith("<think>\n")
+    reasoning, answer = split_thinking(saved.content)
+    assert reasoning is not None and "<think>" not in reasoning

@@ -27,7 +27,7 @@ from app.store import export_json, export_markdown
 from app.ui.screens.dialogs import Confirm, ContextFullChoice, ExportChoice, ReplySettings, TextPrompt
 from app.ui.screens.models import ModelsScreen
 from app.ui.widgets.conversation_list import ConversationItem, ConversationList
-from app.ui.widgets.message_view import MessageView, displayable
+from app.ui.widgets.message_view import MessageView
 from app.ui.widgets.readouts import ContextMeter, Readouts, SwitchPanel
 from engine import LoadedModel, LoadProgress, Switches, load_model
 from engine.errors import DuetError
@@ -86,7 +86,6 @@ class ChatScreen(Screen):
         self.cancel: threading.Event | None = None  # set while a reply streams
         self.reply_saved = threading.Event()
         self.reply_view: MessageView | None = None
-        self.reply_stream = None
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -288,7 +287,6 @@ class ChatScreen(Screen):
         self.cancel, self.reply_saved = threading.Event(), threading.Event()
         self.reply_view = MessageView(role="assistant")
         await self.query_one("#messages", VerticalScroll).mount(self.reply_view)
-        self.reply_stream = self.reply_view.stream()
         self.query_one(Readouts).start_reply()
         options = reply_options(self.app.config, self.budget, self.choices, self.accept)
         self.generate_in_background(self.session, options, self.cancel, self.reply_saved)
@@ -308,25 +306,24 @@ class ChatScreen(Screen):
         event, readouts = message.event, self.query_one(Readouts)
         readouts.show(event.readout)
         if isinstance(event, ReplyChunk):
-            await self.reply_stream.write(displayable(event.text))
+            await self.reply_view.append(event.text)
             if event.readout.recent_tok_s:
                 readouts.add_speed(event.readout.recent_tok_s)
             self.query_one(ContextMeter).show(event.readout.prompt_tokens + event.readout.generated_tokens, self.budget)
             return
-        await self.reply_stream.stop()
         await self.reply_view.finish(event.message)
         self.end_reply()
         if event.message.finish_reason == "context":
             self.notify("The context budget is full; the next message will ask what to drop", severity="warning")
 
     async def on_chat_screen_reply_failed(self, message: ReplyFailed) -> None:
-        await self.reply_stream.stop()
+        await self.reply_view.stop_stream()
         await self.reply_view.remove()
         self.end_reply()
         self.notify(message.error, title="No reply", severity="error", timeout=10)
 
     def end_reply(self) -> None:
-        self.cancel = self.reply_view = self.reply_stream = None
+        self.cancel = self.reply_view = None
         self.update_context_meter()
 
     def action_stop(self) -> None:

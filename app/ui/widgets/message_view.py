@@ -7,9 +7,9 @@ import re
 from markdown_it import MarkdownIt
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import Markdown
-from textual.widgets.markdown import MarkdownStream
+from textual.widgets import Collapsible, Markdown, Static
 
+from app.session import split_thinking
 from app.store import Message
 from app.ui.screens.dialogs import CodeBlockPicker
 
@@ -43,6 +43,11 @@ def header_text(message: Message) -> str:
     return " · ".join(part for part in parts if part)
 
 
+def thinking_title(reasoning: str | None, done: bool = True) -> str:
+    words = len((reasoning or "").split())
+    return f"Thought · {words:,} words" if done else f"Thinking… {words:,} words"
+
+
 class MessageView(Vertical, can_focus=True):
     """A saved message, or a reply being written (`message` None until it is saved)."""
 
@@ -56,24 +61,61 @@ class MessageView(Vertical, can_focus=True):
         self.role = message.role if message else role
         super().__init__(classes=f"message -{self.role}")
         self.border_title = header_text(message) if message else "duet · writing…"
+        self.written = message.content if message else ""  # the reply text as streamed so far
+        self._stream = None
 
     def compose(self) -> ComposeResult:
-        yield Markdown(displayable(self.message.content) if self.message else "")
+        with Collapsible(collapsed=self.message is not None, classes="thinking"):
+            yield Static(classes="reasoning", markup=False)
+        yield Markdown(displayable(self._parts()[1]))
+
+    def on_mount(self) -> None:
+        self._show_reasoning()
+
+    def _parts(self) -> tuple[str | None, str]:
+        """(reasoning, answer) of what is written so far; a user's message is all answer."""
+        if self.role != "assistant":
+            return None, self.written
+        return split_thinking(self.written, streaming=self.message is None)
 
     @property
     def text(self) -> str:
-        """The message as saved (while streaming: as shown so far)."""
-        return self.message.content if self.message else self.query_one(Markdown).source
+        """The answer as saved (while streaming: as written so far), without its reasoning."""
+        return self._parts()[1]
 
-    def stream(self) -> MarkdownStream:
-        return Markdown.get_stream(self.query_one(Markdown))
+    async def append(self, text: str) -> None:
+        """More of a streaming reply: reasoning goes to the thinking box, the answer streams as markdown."""
+        shown_answer = self.text
+        self.written += text
+        answer = self.text
+        self._show_reasoning()
+        if answer != shown_answer:
+            if self._stream is None:
+                self._stream = Markdown.get_stream(self.query_one(Markdown))
+            await self._stream.write(displayable(answer[len(shown_answer):]))
+
+    async def stop_stream(self) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
 
     async def finish(self, message: Message) -> None:
-        """The reply is saved: show its full text and its header."""
-        self.message = message
+        """The reply is saved: show its full text and its header; the reasoning folds away."""
+        await self.stop_stream()
+        self.message, self.written = message, message.content
         self.border_title = header_text(message)
         self.set_class(message.stopped, "-stopped")
-        await self.query_one(Markdown).update(displayable(message.content))
+        self._show_reasoning()
+        self.query_one(Collapsible).collapsed = True
+        await self.query_one(Markdown).update(displayable(self.text))
+
+    def _show_reasoning(self) -> None:
+        """The thinking box: shown while a reply reasons, and after it when the reasoning is not empty."""
+        reasoning, answer = self._parts()
+        box = self.query_one(Collapsible)
+        box.display = reasoning is not None and (bool(reasoning) or self.message is None)
+        box.title = thinking_title(reasoning, done=self.message is not None or bool(answer))
+        self.query_one(".reasoning", Static).update(displayable(reasoning or ""))
 
     def action_copy_message(self) -> None:
         self.app.copy_to_clipboard(self.text)
