@@ -77,7 +77,7 @@ struct ExactRows {  // the sink and the recent window: index i < n_sink is sink 
   __device__ int n_sink(int end) const { return min(end, Q4_SINK); }
   __device__ void range(int end, int& lo, int& hi) const {
     lo = 0;
-    hi = n_sink(end) + (end - max(Q4_SINK, end - Q4_RECENT));
+    hi = n_sink(end) + max(0, end - max(Q4_SINK, end - Q4_RECENT));  // no recent rows before the sink is full
   }
   __device__ const float* row(const float* sink, const float* ring, int i, int end) const {
     const int ns = n_sink(end);

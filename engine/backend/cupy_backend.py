@@ -1,0 +1,501 @@
+"""The op set on an NVIDIA GPU: CuPy arrays and our kernels (engine/kernels/*.cu).
+
+Linear classes mirror engine/backend/cpu.py (x [T, K] -> x @ W^T [T, N], fp32) and reproduce each
+route's numerics (DESIGN.md contracts): the CPU classes are the reference the GPU tests hold them
+to. Inputs may be numpy or CuPy arrays; outputs are CuPy arrays. Only imported once
+engine.backend.select has found a GPU and CuPy.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from engine.cache import Q4_GROUP, RECENT_ROWS, SINK_ROWS
+from engine.backend.cpu import ROWWISE_MAX, InputOrder
+from engine.kernels.build import kernel
+from engine.quant.activation import ACT_BLOCK
+from engine.quant.gguf_blocks import BlockMatrix
+from engine.quant.trellis import MULTIPLIERS, TrellisWeight, rotation_signs
+from engine.quant.w4 import GROUP, W4Weight
+
+MAX_ROWS = 16  # token rows per weight read in every GEMV kernel (a verify of 1 + 15 drafts)
+assert ROWWISE_MAX <= MAX_ROWS
+
+
+def _i32(v) -> np.int32:
+    return np.int32(v)
+
+
+def _i64(v) -> np.int64:
+    return np.int64(v)
+
+
+def _f32(v) -> np.float32:
+    return np.float32(v)
+
+
+def _device_f32(x) -> cp.ndarray:
+    return cp.ascontiguousarray(cp.asarray(x, dtype=cp.float32))
+
+
+def _sm_count() -> int:
+    return cp.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def _row_slices(T: int):
+    """The GEMV kernels take at most MAX_ROWS rows; longer inputs (prefill) run slice by slice."""
+    return [slice(s, min(T, s + MAX_ROWS)) for s in range(0, T, MAX_ROWS)]
+
+
+def _blocks(n: int, per: int) -> int:
+    return (n + per - 1) // per
+
+
+# ------------------------------------------------------------------------------ linears ---
+
+class DenseLinear:
+    """`bf16` route: the fp32 weight [N, K] (exact widening of the checkpoint's bf16) through cuBLAS."""
+
+    route = "bf16"
+
+    def __init__(self, weight: np.ndarray):
+        self.weight = _device_f32(weight)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+    def __call__(self, x) -> cp.ndarray:
+        return _device_f32(x) @ self.weight.T
+
+
+class W4A16Linear:
+    """`w4a16`: bf16 activations, W4 weights decoded in registers, mma.sync bf16, fp32 per group.
+
+    Grid: one block per 16 output rows; when that leaves the GPU short of blocks, the 128-groups
+    are split over blockIdx.y into partial outputs summed in a fixed order (reduce_splits).
+    """
+
+    route = "w4a16"
+
+    def __init__(self, weight: W4Weight):
+        N, K = weight.shape
+        if N % 16 or K % GROUP:
+            raise ValueError(f"w4a16 on the GPU needs N % 16 == 0 and K % 128 == 0, got {N} x {K}")
+        self.packed = cp.asarray(weight.packed)
+        self.scales = cp.asarray(weight.scales)
+        self.N, self.K = N, K
+        groups, tiles = K // GROUP, N // 16
+        self.splits = max(1, min(groups // 8, _blocks(4 * _sm_count(), tiles)))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.N, self.K
+
+    def __call__(self, x) -> cp.ndarray:
+        x = _device_f32(x)
+        out = cp.empty((x.shape[0], self.N), cp.float32)
+        for rows in _row_slices(x.shape[0]):
+            out[rows] = self.run_rows(x[rows])
+        return out
+
+    def run_rows(self, x: cp.ndarray) -> cp.ndarray:
+        T = x.shape[0]
+        xb = to_bf16_bits(x)
+        partial = cp.empty((self.splits, T, self.N), cp.float32)
+        name = "w4a16_gemm_t8" if T <= 8 else "w4a16_gemm_t16"
+        kernel("w4a16", name)((self.N // 16, self.splits), (256,),
+                              (self.packed, self.scales, xb, partial, _i32(self.N), _i32(self.K), _i32(T)))
+        if self.splits == 1:
+            return partial[0]
+        out = cp.empty((T, self.N), cp.float32)
+        kernel("w4a16", "reduce_splits")((_blocks(out.size, 256),), (256,), (partial, out, _i32(self.splits), _i64(out.size)))
+        return out
+
+
+def to_bf16_bits(x: cp.ndarray) -> cp.ndarray:
+    """fp32 -> bf16 bits (uint16), round to nearest even."""
+    out = cp.empty(x.shape, cp.uint16)
+    kernel("w4a16", "f32_to_bf16_bits")((_blocks(x.size, 256),), (256,), (x, out, _i64(x.size)))
+    return out
+
+
+def quantize_int8(x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+    """x [T, K] -> (q int8 [T, K], scale fp32 [T, K/32]): engine.quant.activation.quantize_int8_blocks."""
+    T, K = x.shape
+    q = cp.empty((T, K), cp.int8)
+    scale = cp.empty((T, K // ACT_BLOCK), cp.float32)
+    n_blocks = T * K // ACT_BLOCK
+    kernel("w4a8", "quantize_int8_blocks")((_blocks(n_blocks, 8),), (256,), (x, q, scale, _i64(n_blocks)))
+    return q, scale
+
+
+# Codecs the int8 GEMV decodes on the device: kernel suffix per storage form.
+INT8_CODECS = {GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_0: "q4_0",
+               GGMLQuantizationType.IQ4_XS: "iq4_xs"}
+
+
+class W4A8Linear:
+    """`w4a8`: int8 activations (absmax per 32), weights decoded to int8 per 32-input unit, dp4a
+    integer dots, fp32 rescale by weight scale x activation scale. W4 weights and GGUF Q8_0, Q4_0,
+    IQ4_XS blocks."""
+
+    route = "w4a8"
+
+    def __init__(self, weight: W4Weight | BlockMatrix):
+        N, K = weight.shape
+        if isinstance(weight, W4Weight):
+            self.codec, self.weights, self.scales = "w4", cp.asarray(weight.packed).view(cp.uint8), cp.asarray(weight.scales)
+        elif isinstance(weight, BlockMatrix) and weight.qtype in INT8_CODECS:
+            self.codec, self.weights, self.scales = INT8_CODECS[weight.qtype], cp.asarray(weight.raw), None
+        else:
+            kind = weight.qtype.name if isinstance(weight, BlockMatrix) else type(weight).__name__
+            raise ValueError(f"w4a8 on the GPU runs W4, Q8_0, Q4_0 and IQ4_XS weights, not {kind}")
+        self.row_bytes = self.weights.nbytes // N
+        self.N, self.K = N, K
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.N, self.K
+
+    def __call__(self, x) -> cp.ndarray:
+        x = _device_f32(x)
+        out = cp.empty((x.shape[0], self.N), cp.float32)
+        for rows in _row_slices(x.shape[0]):
+            q, scale = quantize_int8(x[rows])
+            T = q.shape[0]
+            part = cp.empty((T, self.N), cp.float32)
+            kernel("w4a8", f"int8_gemv_{self.codec}")(
+                (_blocks(self.N, 8),), (256,),
+                (self.weights, self.scales, _i64(self.row_bytes), q, scale, part, _i32(self.N), _i32(self.K), _i32(T)))
+            out[rows] = part
+        return out
+
+
+class TrellisLinear:
+    """`w4a8` for trellis weights: activations rotated like the weight and int8 per 128-block, levels
+    decoded from the tile streams (1MAD, dp4a), exact block dots, y = row_scale * sum ascale * dot."""
+
+    route = "w4a8"
+
+    def __init__(self, weight: TrellisWeight):
+        N, K = weight.shape
+        self.packed = cp.asarray(weight.packed)
+        self.row_scale = _device_f32(weight.row_scale)
+        self.signs = _device_f32(rotation_signs(K, weight.seed))
+        self.k, self.multiplier = weight.k, np.uint32(MULTIPLIERS[weight.k])
+        self.N, self.K = N, K
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.N, self.K
+
+    def __call__(self, x) -> cp.ndarray:
+        x = _device_f32(x)
+        out = cp.empty((x.shape[0], self.N), cp.float32)
+        for rows in _row_slices(x.shape[0]):
+            q, scale = rotate_quantize_int8(x[rows], self.signs)
+            T = q.shape[0]
+            part = cp.empty((T, self.N), cp.float32)
+            kernel("w4a8", "trellis_gemv")((self.N // 16,), (128,),
+                                           (self.packed, _i32(self.k), self.multiplier, self.row_scale, q, scale,
+                                            part, _i32(self.N), _i32(self.K), _i32(T)))
+            out[rows] = part
+        return out
+
+
+def rotate_quantize_int8(x: cp.ndarray, signs: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
+    """x [T, K] -> (q int8 [T, K], scale [T, K/128]): engine.quant.trellis.rotated_int8_activations."""
+    T, K = x.shape
+    q = cp.empty((T, K), cp.int8)
+    scale = cp.empty((T, K // 128), cp.float32)
+    n_blocks = T * K // 128
+    kernel("w4a8", "rotate_quantize_int8")((_blocks(n_blocks, 8),), (256,), (x, signs, q, scale, _i64(n_blocks), _i32(K)))
+    return q, scale
+
+
+class PermutedInput:
+    """y = linear(x[:, order]) (see engine.backend.cpu.PermutedInput)."""
+
+    def __init__(self, linear, order: np.ndarray):
+        self.linear, self.order = linear, cp.asarray(order)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.linear.shape
+
+    def __call__(self, x) -> cp.ndarray:
+        return self.linear(_device_f32(x)[:, self.order])
+
+
+def make_linear(weight, route: str):
+    """The route's GPU Linear for a weight; the same dispatch as engine.backend.cpu.make_linear."""
+    if isinstance(weight, InputOrder):
+        return PermutedInput(make_linear(weight.weight, route), weight.order)
+    if isinstance(weight, np.ndarray):
+        return DenseLinear(weight)
+    if route == "bf16":
+        return DenseLinear(weight.dequantize())
+    if route == "w4a16" and isinstance(weight, W4Weight):
+        return W4A16Linear(weight)
+    if route == "w4a8" and isinstance(weight, TrellisWeight):
+        return TrellisLinear(weight)
+    if route == "w4a8":
+        return W4A8Linear(weight)
+    raise ValueError(f"route {route} cannot run {type(weight).__name__}")
+
+
+# --------------------------------------------------------------------------- row ops ---
+
+def rms_norm(x, weight, eps: float) -> cp.ndarray:
+    """x [R, D] / sqrt(mean(x^2) + eps) * weight (zero-centred norms pass 1 + w)."""
+    x = _device_f32(x)
+    R, D = x.shape
+    y = cp.empty_like(x)
+    kernel("norms", "rms_norm")((R,), (256,), (x, _device_f32(weight), y, _i32(D), _f32(eps)))
+    return y
+
+
+def gated_rms_norm(x, z, weight, eps: float) -> cp.ndarray:
+    """DeltaNet's gated norm per value head: x, z [R, D] -> rms_norm(x, w) * silu(z)."""
+    x, z = _device_f32(x), _device_f32(z)
+    R, D = x.shape
+    y = cp.empty_like(x)
+    kernel("norms", "gated_rms_norm")((R,), (128,), (x, z, _device_f32(weight), y, _i32(D), _f32(eps)))
+    return y
+
+
+def l2_norm_heads(x, heads: int, head_dim: int, scale: float = 1.0, offset: int = 0) -> cp.ndarray:
+    """Heads [T, heads, head_dim] starting at column `offset` of x [T, C], each L2-normalised
+    (eps 1e-6) and multiplied by scale -> compact [T, heads, head_dim]."""
+    x = _device_f32(x)
+    T = x.shape[0]
+    y = cp.empty((T, heads, head_dim), cp.float32)
+    block = 32 * _blocks(head_dim, 32)
+    kernel("norms", "l2_norm_heads")((T * heads,), (block,),
+                                     (x[:, offset:], y, _i32(heads), _i32(head_dim), _i64(x.shape[1]), _f32(scale)))
+    return y
+
+
+def qk_norm_rope(x, weight, inv_freq, start: cp.ndarray, heads: int, head_dim: int, head_stride: int,
+                 rotary_dim: int, eps: float) -> cp.ndarray:
+    """Attention q or k: per head zero-centred RMSNorm then partial NeoX RoPE at positions
+    start[0] + t. x [T, C] holds head h at columns h * head_stride .. + head_dim."""
+    x = _device_f32(x)
+    T = x.shape[0]
+    y = cp.empty((T, heads, head_dim), cp.float32)
+    kernel("norms", "qk_norm_rope")((heads, T), (head_dim,),
+                                    (x, _device_f32(weight), _device_f32(inv_freq), start, y, _i32(head_dim),
+                                     _i64(x.shape[1]), _i32(head_stride), _i32(rotary_dim), _f32(eps)))
+    return y
+
+
+def silu_mul(gate_up) -> cp.ndarray:
+    """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    gate_up = _device_f32(gate_up)
+    T, I = gate_up.shape[0], gate_up.shape[1] // 2
+    out = cp.empty((T, I), cp.float32)
+    kernel("norms", "silu_mul")((_blocks(out.size, 256),), (256,), (gate_up, out, _i32(I), _i64(out.size)))
+    return out
+
+
+def attention_gate(attn, q_and_gate, head_dim: int) -> cp.ndarray:
+    """attn [T, heads * D] times sigmoid of the gate half of q_and_gate [T, heads, 2D]."""
+    attn, q_and_gate = _device_f32(attn), _device_f32(q_and_gate)
+    out = cp.empty_like(attn)
+    kernel("norms", "attention_gate")((_blocks(out.size, 256),), (256,), (attn, q_and_gate, out, _i32(head_dim), _i64(out.size)))
+    return out
+
+
+# -------------------------------------------------------------------------- DeltaNet ---
+
+class DeltaNetState:
+    """Conv history [KW-1, C] and recurrent state [Hv, dk, dv] on the device, with the window and
+    the per-row states of the last short call for a rollback (engine.cache.DeltaNetState)."""
+
+    def __init__(self, channels: int, kernel_size: int, value_heads: int, key_dim: int, value_dim: int):
+        self.conv = cp.zeros((kernel_size - 1, channels), cp.float32)
+        self.recurrent = cp.zeros((value_heads, key_dim, value_dim), cp.float32)
+        self.window = cp.zeros((kernel_size - 1 + MAX_ROWS, channels), cp.float32)
+        self.row_states = cp.zeros((MAX_ROWS, value_heads, key_dim, value_dim), cp.float32)
+
+    def keep(self, rows: int) -> None:
+        """Make the state after the first `rows` rows of the last call current."""
+        self.conv[...] = self.window[rows:rows + self.conv.shape[0]]
+        self.recurrent[...] = self.row_states[rows - 1]
+
+
+def causal_conv(mixed, taps, state: DeltaNetState) -> cp.ndarray:
+    """Depthwise causal conv then SiLU over mixed [T, C] (T <= 16), taps [C, KW]; updates state."""
+    mixed = _device_f32(mixed)
+    T, C = mixed.shape
+    out = cp.empty_like(mixed)
+    KW = taps.shape[1]
+    kernel("deltanet", "causal_conv_silu")((_blocks(C, 256),), (256,),
+                                           (mixed, _device_f32(taps), state.conv, state.window, out, _i32(T), _i32(C), _i32(KW)))
+    return out
+
+
+def delta_rule_rows(q, k, v, b, a, decay_rate, dt_bias, state: DeltaNetState) -> cp.ndarray:
+    """The gated delta rule row by row (T <= 16), S after every row kept in state.row_states.
+
+    q, k [T, Hk, dk] L2-normalised (q times dk^-0.5); v [T, Hv, dv]; b, a [T, Hv] raw in_proj_b/a
+    outputs (beta = sigmoid(b), g = decay_rate * softplus(a + dt_bias)). Returns [T, Hv, dv].
+    """
+    q, k, v, b, a = (_device_f32(t) for t in (q, k, v, b, a))
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1], v.shape[2]
+    if dk not in (32, 64, 128) or dv % 32:
+        raise ValueError(f"deltanet kernel takes key dims 32, 64, 128 and value dims of 32s, got {dk}, {dv}")
+    out = cp.empty((T, Hv, dv), cp.float32)
+    kernel("deltanet", f"deltanet_rows_dk{dk}")((Hv, dv // 32), (128,),
+                                               (q, k, v, b, a, _device_f32(decay_rate), _device_f32(dt_bias),
+                                                state.recurrent, state.row_states, out, _i32(T), _i32(Hk), _i32(Hv), _i32(dv)))
+    return out
+
+
+# ------------------------------------------------------------------------- attention ---
+
+ATTENTION_CHUNK = 512  # keys per block of a row; longer contexts spread over more blocks
+
+
+class KVCache:
+    """bf16 keys and values [kv, capacity, head_dim] on the device."""
+
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int):
+        self.keys = cp.zeros((kv_heads, capacity, head_dim), cp.uint16)
+        self.values = cp.zeros_like(self.keys)
+        self.length = 0
+
+    def append(self, k, v, start: cp.ndarray) -> None:
+        """k, v [T, kv, hd] at positions start[0] + t (start[0] == self.length)."""
+        k, v = _device_f32(k), _device_f32(v)
+        T, kv, hd = k.shape
+        kernel("attention", "kv_append_bf16")((T, kv), (hd,), (k, v, self.keys, self.values, start,
+                                                               _i32(self.keys.shape[1]), _i32(hd)))
+        self.length += T
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+class Q4KVCache:
+    """engine.cache.Q4KVCache on the device: codes and f16 scales per 32 of the rotated rows, exact
+    fp32 sink rows and a ring of the latest RECENT_ROWS + ROWWISE_MAX rows. Keys and values are kept
+    in separate arrays."""
+
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int, seed: int = 0):
+        self.signs = _device_f32(np.random.default_rng(seed).choice([-1.0, 1.0], head_dim).astype(np.float32))
+        self.key_codes = cp.zeros((kv_heads, capacity, head_dim // 2), cp.uint8)
+        self.value_codes = cp.zeros_like(self.key_codes)
+        self.key_scales = cp.zeros((kv_heads, capacity, head_dim // Q4_GROUP), cp.uint16)
+        self.value_scales = cp.zeros_like(self.key_scales)
+        self.sink_keys = cp.zeros((kv_heads, SINK_ROWS, head_dim), cp.float32)
+        self.sink_values = cp.zeros_like(self.sink_keys)
+        self.ring_rows = RECENT_ROWS + ROWWISE_MAX
+        self.ring_keys = cp.zeros((kv_heads, self.ring_rows, head_dim), cp.float32)
+        self.ring_values = cp.zeros_like(self.ring_keys)
+        self.length = 0
+
+    def append(self, k, v, start: cp.ndarray) -> None:
+        k, v = _device_f32(k), _device_f32(v)
+        T, kv, hd = k.shape
+        kernel("attention", "kv_append_q4")((T, kv, 2), (hd,),
+                                            (k, v, self.signs, self.key_codes, self.key_scales, self.value_codes,
+                                             self.value_scales, self.sink_keys, self.sink_values, self.ring_keys,
+                                             self.ring_values, _i32(self.ring_rows), start,
+                                             _i32(self.key_codes.shape[1]), _i32(hd)))
+        self.length += T
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+def attend(q, cache: KVCache | Q4KVCache, start: cp.ndarray, past: int) -> cp.ndarray:
+    """Causal GQA of q [T, heads, hd] (T <= 16; row t at position start[0] + t, whose KV rows the
+    cache already holds) -> [T, heads * hd]. `past` = start[0] on the host, to size the grid."""
+    q = _device_f32(q)
+    T, heads, hd = q.shape
+    scale = _f32(hd ** -0.5)
+    end = past + T
+    if isinstance(cache, KVCache):
+        kv, capacity = cache.keys.shape[0], cache.keys.shape[1]
+        chunks = _blocks(end, ATTENTION_CHUNK)
+        part_ml = cp.empty((T, heads, chunks, 2), cp.float32)
+        part_acc = cp.empty((T, heads, chunks, hd), cp.float32)
+        kernel("attention", f"attention_partial_bf16_hd{hd}")(
+            (chunks, heads, T), (128,),
+            (q, cache.keys, cache.values, _i32(capacity), start, _i32(heads), _i32(kv), _i32(ATTENTION_CHUNK), scale,
+             part_ml, part_acc, _i32(chunks)))
+        n_plain, n_slots, signs = chunks, chunks, cp.ones(hd, cp.float32)  # read only for rotated slots: none here
+    else:
+        kv, capacity = cache.key_codes.shape[0], cache.key_codes.shape[1]
+        exact_chunks = _blocks(SINK_ROWS + RECENT_ROWS, ATTENTION_CHUNK)
+        q4_chunks = max(1, _blocks(max(0, end - RECENT_ROWS - SINK_ROWS), ATTENTION_CHUNK))
+        n_plain, n_slots, signs = exact_chunks, exact_chunks + q4_chunks, cache.signs
+        part_ml = cp.empty((T, heads, n_slots, 2), cp.float32)
+        part_acc = cp.empty((T, heads, n_slots, hd), cp.float32)
+        kernel("attention", f"attention_partial_exact_hd{hd}")(
+            (exact_chunks, heads, T), (128,),
+            (q, cache.sink_keys, cache.sink_values, cache.ring_keys, cache.ring_values, _i32(cache.ring_rows), start,
+             _i32(heads), _i32(kv), _i32(ATTENTION_CHUNK), scale, part_ml, part_acc, _i32(n_slots)))
+        kernel("attention", f"attention_partial_q4_hd{hd}")(
+            (q4_chunks, heads, T), (128,),
+            (q, cache.signs, cache.key_codes, cache.key_scales, cache.value_codes, cache.value_scales, _i32(capacity),
+             start, _i32(heads), _i32(kv), _i32(ATTENTION_CHUNK), scale, part_ml, part_acc, _i32(exact_chunks),
+             _i32(n_slots)))
+    out = cp.empty((T, heads, hd), cp.float32)
+    kernel("attention", "attention_combine")((heads, T), (hd,),
+                                             (part_ml, part_acc, signs, out, _i32(hd), _i32(n_plain), _i32(n_slots)))
+    return out.reshape(T, heads * hd)
+
+
+# -------------------------------------------------------------------------- sampling ---
+
+TOPK_CHUNK = 4096  # sampling.cu TOPK_CHUNK
+
+
+def argmax(x) -> cp.ndarray:
+    """[R, V] -> int32 [R], the first index of the maximum."""
+    x = _device_f32(x)
+    out = cp.empty(x.shape[0], cp.int32)
+    kernel("sampling", "argmax_rows")((x.shape[0],), (1024,), (x, out, _i32(x.shape[1])))
+    return out
+
+
+def top_k(x, k: int) -> tuple[cp.ndarray, cp.ndarray]:
+    """[R, V] -> (indices int32 [R, k], values [R, k]), largest first, lower index first on ties."""
+    x = _device_f32(x)
+    R, V = x.shape
+    chunks = _blocks(V, TOPK_CHUNK)
+    if not 1 <= k <= 256 or chunks * k > TOPK_CHUNK:
+        raise ValueError(f"top-k on the GPU takes k <= 256 with ceil(V / {TOPK_CHUNK}) * k <= {TOPK_CHUNK}")
+    candidates = cp.empty((R, chunks, k), cp.uint64)
+    kernel("sampling", "topk_chunks")((chunks, R), (256,), (x, candidates, _i32(V), _i32(k)))
+    index, value = cp.empty((R, k), cp.int32), cp.empty((R, k), cp.float32)
+    kernel("sampling", "topk_merge")((R,), (256,), (candidates, _i32(chunks * k), _i32(k), index, value))
+    return index, value
+
+
+class RescoredHead:
+    """The int4 lm_head ranks (w4a16 GEMV over 248,320 x 5,120 reads 0.66 GB instead of 2.5), the
+    top `candidates` are rescored with the bf16 head, and the chosen ids are the bf16 head's
+    (REFERENCE.md section 6). greedy(hidden [T, H]) -> int32 [T]."""
+
+    def __init__(self, ranker: W4Weight, head_bf16_bits: np.ndarray, candidates: int = 32):
+        self.ranker = W4A16Linear(ranker)  # the head quantized to W4 (engine.quant.w4.quantize_rtn)
+        self.head = cp.asarray(head_bf16_bits)  # bf16 bits uint16 [V, H]
+        self.candidates = candidates
+
+    def greedy(self, hidden) -> cp.ndarray:
+        hidden = _device_f32(hidden)
+        T, H = hidden.shape
+        index, _ = top_k(self.ranker(hidden), self.candidates)
+        logits = cp.empty((T, self.candidates), cp.float32)
+        kernel("sampling", "rescore_candidates")((_blocks(self.candidates, 8), T), (256,),
+                                                 (hidden, self.head, index, logits, _i32(H), _i32(self.candidates)))
+        out = cp.empty(T, cp.int32)
+        kernel("sampling", "pick_rescored")((T,), (32,), (logits, index, out, _i32(self.candidates)))
+        return out

@@ -1,0 +1,295 @@
+"""Each GPU kernel against the CPU route numerics (engine/backend/cpu.py, engine/model.py,
+engine/cache.py), on a GPU machine. Elsewhere every test here is skipped with the reason; the
+kernels are still compiled for sm_86 and sm_90 by test_kernels_compile.py.
+
+Per-op tolerances (what may differ, and the bound that follows):
+- bit-exact: bf16 rounding, int8 activation codes and scales (plain and Hadamard-rotated), argmax,
+  top-k and rescored ids: the same operations in the same order.
+- fp32 sums in another order (GEMVs, attention, DeltaNet, norms): |gpu - cpu| <= SUM_RTOL x the sum
+  of the absolute terms (a dot's error bound is ~n eps of that; n eps / sqrt-ish in practice).
+- expf/sinf/cosf to 2 ulp (silu, sigmoid, softplus, RoPE angles): relative 1e-5 of the magnitude.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from engine.backend import cpu
+from engine.backend.select import backend_name
+from engine.cache import DeltaNetState, Q4KVCache
+from engine.model import apply_rope, attend, causal_conv, delta_rule_rows, l2_normalize, rms_norm, rope_tables, sigmoid, silu
+from engine.quant.activation import f32_to_bf16_bits, quantize_int8_blocks, round_to_bf16
+from engine.quant.gguf_blocks import BlockMatrix
+from engine.quant.trellis import TrellisWeight, rotated_int8_activations, rotation_signs
+from engine.quant.w4 import W4Weight, pack_levels, quantize_rtn
+
+GPU = backend_name("auto") == "cupy"
+pytestmark = pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU and CuPy (pip install 'duet[gpu]'); "
+                                                "the kernels are compile-checked in test_kernels_compile.py")
+if GPU:
+    import cupy as cp
+
+    from engine.backend import cupy_backend as gb
+
+SUM_RTOL = 2e-6
+ROW_COUNTS = [1, 3, 8, 9, 16, 21]  # one and two n8 tiles, partial tiles, and a prefill past 16 rows
+
+
+def host(a) -> np.ndarray:
+    return cp.asnumpy(a)
+
+
+def assert_sum_close(got, want, magnitude, rtol=SUM_RTOL):
+    """|got - want| <= rtol x magnitude elementwise (magnitude: the sum of |terms|)."""
+    err = np.abs(np.asarray(got, np.float64) - want)
+    bound = rtol * magnitude + 1e-30
+    assert np.all(err <= bound), f"worst error {float((err / bound).max()):.2f}x the bound"
+
+
+def random_w4(N: int, K: int, seed: int) -> W4Weight:
+    rng = np.random.default_rng(seed)
+    levels = rng.integers(-8, 8, (N, K))
+    scales = rng.uniform(0.001, 0.02, (N, K // 128)).astype(np.float32)
+    return W4Weight(pack_levels(levels), f32_to_bf16_bits(scales))
+
+
+# ------------------------------------------------------------------------ w4a16 ---
+
+@pytest.mark.parametrize("T", ROW_COUNTS)
+@pytest.mark.parametrize("N,K", [(512, 1024), (64, 5120)])  # one split, and groups split over blocks
+def test_w4a16_matches_cpu(T, N, K):
+    w = random_w4(N, K, seed=T + N)
+    x = np.random.default_rng(T).standard_normal((T, K)).astype(np.float32)
+    want = cpu.W4A16Linear(w)(x)
+    got = host(gb.W4A16Linear(w)(x))
+    magnitude = np.abs(round_to_bf16(x)) @ np.abs(w.dequantize()).T
+    assert_sum_close(got, want, magnitude)
+
+
+def test_bf16_rounding_is_bit_exact():
+    x = np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 1e3
+    assert np.array_equal(host(gb.to_bf16_bits(cp.asarray(x))), f32_to_bf16_bits(x))
+
+
+# ------------------------------------------------------------------------- w4a8 ---
+
+def test_int8_activations_are_bit_exact():
+    x = np.random.default_rng(1).standard_normal((5, 1024)).astype(np.float32)
+    x[0, :32] = 0  # an all-zero block: scale 0, codes 0
+    q, scale = gb.quantize_int8(cp.asarray(x))
+    want_q, want_scale = quantize_int8_blocks(x)
+    assert np.array_equal(host(q).reshape(want_q.shape), want_q.astype(np.int8))
+    assert np.array_equal(host(scale), want_scale)
+
+
+def random_blocks(qtype: Q, N: int, K: int, seed: int) -> BlockMatrix:
+    rng = np.random.default_rng(seed)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (N * K // block, type_size), dtype=np.uint8)
+    raw[:, 0:2] = rng.uniform(-0.02, 0.02, len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)  # d
+    return BlockMatrix(qtype, raw.reshape(N, -1), K)
+
+
+def w4a8_weights(N: int, K: int, seed: int):
+    return [random_w4(N, K, seed)] + [random_blocks(qt, N, K, seed) for qt in (Q.Q8_0, Q.Q4_0, Q.IQ4_XS)]
+
+
+@pytest.mark.parametrize("T", ROW_COUNTS)
+@pytest.mark.parametrize("kind", range(4), ids=["int4", "q8_0", "q4_0", "iq4_xs"])
+def test_w4a8_matches_cpu(T, kind):
+    N, K = 96, 1024
+    w = w4a8_weights(N, K, seed=T)[kind]
+    x = np.random.default_rng(T).standard_normal((T, K)).astype(np.float32)
+    want = cpu.W4A8Linear(w)(x)
+    got = host(gb.W4A8Linear(w)(x))
+    q, scale = quantize_int8_blocks(x)
+    magnitude = (np.abs(q) * scale[..., None]).reshape(T, K) @ np.abs(w.dequantize()).T
+    assert_sum_close(got, want, magnitude)
+
+
+def test_w4a8_refuses_block_types_without_a_device_decoder():
+    with pytest.raises(ValueError, match="Q6_K"):
+        gb.W4A8Linear(random_blocks(Q.Q6_K, 16, 256, 0))
+
+
+def random_trellis(N: int, K: int, k: int, seed: int) -> TrellisWeight:
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, (N // 16 * K // 8, 16 * k), dtype=np.uint8)  # any stream is a valid code
+    return TrellisWeight(packed, rng.uniform(0.5, 2.0, N).astype(np.float32), (N, K), k, seed)
+
+
+def test_rotated_int8_activations_are_bit_exact():
+    x = np.random.default_rng(2).standard_normal((3, 512)).astype(np.float32)
+    signs = cp.asarray(rotation_signs(512, 11))
+    q, scale = gb.rotate_quantize_int8(cp.asarray(x), signs)
+    want_q, want_scale = rotated_int8_activations(x, 11)
+    assert np.array_equal(host(q).reshape(want_q.shape), want_q.astype(np.int8))
+    assert np.array_equal(host(scale), want_scale)
+
+
+@pytest.mark.parametrize("T", [1, 5, 16])
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_trellis_matches_cpu(T, k):
+    N, K = 64, 1024
+    w = random_trellis(N, K, k, seed=k)
+    x = np.random.default_rng(T).standard_normal((T, K)).astype(np.float32)
+    want = cpu.TrellisLinear(w)(x)
+    got = host(gb.TrellisLinear(w)(x))
+    q, scale = rotated_int8_activations(x, w.seed)
+    magnitude = (np.abs(q) * scale[..., None]).reshape(T, K) @ np.abs(w.dequantize_rotated()).T
+    assert_sum_close(got, want, magnitude)
+
+
+# --------------------------------------------------------------------- DeltaNet ---
+
+@pytest.mark.parametrize("dk,dv,hk,hv", [(32, 64, 2, 4), (128, 128, 16, 48)])
+def test_deltanet_rows_and_snapshots_match_cpu(dk, dv, hk, hv):
+    rng = np.random.default_rng(dk)
+    T = 5
+    q = l2_normalize(rng.standard_normal((T, hk, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
+    k = l2_normalize(rng.standard_normal((T, hk, dk)).astype(np.float32))
+    v = rng.standard_normal((T, hv, dv)).astype(np.float32)
+    b, a = rng.standard_normal((T, hv)).astype(np.float32), rng.standard_normal((T, hv)).astype(np.float32)
+    decay_rate = -np.exp(rng.standard_normal(hv).astype(np.float32))
+    dt_bias = rng.standard_normal(hv).astype(np.float32)
+    start = rng.standard_normal((hv, dk, dv)).astype(np.float32) * 0.1
+
+    cpu_state = DeltaNetState(8, 4, hv, dk, dv)
+    cpu_state.recurrent = start.copy()
+    log_decay = decay_rate * np.logaddexp(0.0, a + dt_bias).astype(np.float32)
+    want = delta_rule_rows(np.repeat(q, hv // hk, axis=1), np.repeat(k, hv // hk, axis=1), v, sigmoid(b), log_decay, cpu_state)
+
+    state = gb.DeltaNetState(8, 4, hv, dk, dv)
+    state.recurrent[...] = cp.asarray(start)
+    got = host(gb.delta_rule_rows(q, k, v, b, a, decay_rate, dt_bias, state))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    for t in range(T):
+        np.testing.assert_allclose(host(state.row_states[t]), cpu_state.row_states[t], rtol=1e-4, atol=1e-5)
+    state.keep(2)
+    np.testing.assert_allclose(host(state.recurrent), cpu_state.row_states[1], rtol=1e-4, atol=1e-5)
+
+
+def test_causal_conv_matches_cpu_and_rolls_back():
+    rng = np.random.default_rng(3)
+    T, C, KW = 4, 96, 4
+    mixed = rng.standard_normal((T, C)).astype(np.float32)
+    taps = rng.standard_normal((C, KW)).astype(np.float32)
+    history = rng.standard_normal((KW - 1, C)).astype(np.float32)
+    cpu_state = DeltaNetState(C, KW, 1, 32, 32)
+    cpu_state.conv = history.copy()
+    want = causal_conv(mixed, taps, cpu_state)
+    state = gb.DeltaNetState(C, KW, 1, 32, 32)
+    state.conv[...] = cp.asarray(history)
+    got = host(gb.causal_conv(mixed, taps, state))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # the conv sums are bit-exact; silu's expf is not
+    assert np.array_equal(host(state.conv), cpu_state.conv)
+    cpu_state.keep(2)
+    state.keep(2)
+    assert np.array_equal(host(state.conv), cpu_state.conv)
+
+
+# -------------------------------------------------------------------- attention ---
+
+def attention_inputs(T, past, heads, kv, hd, seed):
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((past + T, kv, hd)).astype(np.float32)
+    values = rng.standard_normal((past + T, kv, hd)).astype(np.float32)
+    q = rng.standard_normal((T, heads, hd)).astype(np.float32)
+    return q, keys, values
+
+
+@pytest.mark.parametrize("T,past", [(1, 0), (1, 700), (6, 1500)])
+@pytest.mark.parametrize("hd", [64, 256])
+def test_attention_bf16_cache_matches_cpu(T, past, hd):
+    heads, kv = 8, 2
+    q, keys, values = attention_inputs(T, past, heads, kv, hd, seed=T + past)
+    cache = gb.KVCache(kv, hd, capacity=past + T)
+    cache.append(keys, values, cp.asarray([0], cp.int32))
+    got = host(gb.attend(q, cache, cp.asarray([past], cp.int32), past))
+    # the GPU cache stores bf16: the CPU reference reads the same rounded rows
+    k_rounded, v_rounded = (round_to_bf16(a).transpose(1, 0, 2) for a in (keys, values))
+    want = attend(q, k_rounded, v_rounded, past)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,past", [(1, 2), (4, 300), (3, 1200)])
+def test_attention_q4_cache_matches_cpu(T, past):
+    heads, kv, hd = 8, 2, 128
+    q, keys, values = attention_inputs(T, past, heads, kv, hd, seed=past)
+    cpu_cache = Q4KVCache(kv, hd)
+    cpu_cache.append(keys.transpose(1, 0, 2), values.transpose(1, 0, 2))
+    cache = gb.Q4KVCache(kv, hd, capacity=past + T)
+    for start in range(0, past + T, 16):  # appended as decode and verify steps would
+        rows = slice(start, min(past + T, start + 16))
+        cache.append(keys[rows], values[rows], cp.asarray([start], cp.int32))
+    assert np.array_equal(host(cache.signs), cpu_cache.signs)
+    got = host(gb.attend(q, cache, cp.asarray([past], cp.int32), past))
+    want = np.concatenate([attend(q[t:t + 1], *cpu_cache.rows(past + t + 1), past + t) for t in range(T)])
+    # codes can differ where a rotated value sits on a rounding boundary (the CPU rotates by a float64
+    # matmul, the GPU by fp32 butterflies): one level of one group moves an output by ~scale / 7.
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3)
+
+
+# ------------------------------------------------------------------------ norms ---
+
+def test_norms_gates_and_rope_match_cpu():
+    rng = np.random.default_rng(4)
+    T, heads, hd, eps = 3, 4, 256, 1e-6
+    x = rng.standard_normal((T, 5120)).astype(np.float32)
+    w = rng.standard_normal(5120).astype(np.float32)
+    np.testing.assert_allclose(host(gb.rms_norm(x, w, eps)), rms_norm(x, w, eps), rtol=1e-5, atol=1e-6)
+
+    z = rng.standard_normal((T * 48, 128)).astype(np.float32)
+    o = rng.standard_normal((T * 48, 128)).astype(np.float32)
+    wn = rng.standard_normal(128).astype(np.float32)
+    np.testing.assert_allclose(host(gb.gated_rms_norm(o, z, wn, eps)), rms_norm(o, wn, eps) * silu(z), rtol=1e-5, atol=1e-6)
+
+    mixed = rng.standard_normal((T, 2 * 16 * 128 + 48 * 128)).astype(np.float32)
+    q_heads = mixed[:, :16 * 128].reshape(T, 16, 128)
+    k_heads = mixed[:, 16 * 128:32 * 128].reshape(T, 16, 128)
+    np.testing.assert_allclose(host(gb.l2_norm_heads(mixed, 16, 128, 128 ** -0.5)),
+                               l2_normalize(q_heads) * np.float32(128 ** -0.5), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(host(gb.l2_norm_heads(mixed, 16, 128, 1.0, offset=16 * 128)),
+                               l2_normalize(k_heads), rtol=1e-5, atol=1e-7)
+
+    q_and_gate = rng.standard_normal((T, heads * 2 * hd)).astype(np.float32)
+    norm_w = 1 + rng.standard_normal(hd).astype(np.float32) * 0.1
+    rotary, theta, past = 64, 1e7, 100_000
+    inv_freq = 1.0 / theta ** (np.arange(0, rotary, 2, dtype=np.float32) / rotary)
+    got = host(gb.qk_norm_rope(q_and_gate, norm_w, inv_freq, cp.asarray([past], cp.int32), heads, hd, 2 * hd, rotary, eps))
+    cos, sin = rope_tables(np.arange(past, past + T), rotary, theta)
+    want = apply_rope(rms_norm(q_and_gate.reshape(T, heads, 2 * hd)[..., :hd], norm_w, eps), cos, sin)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    attn = rng.standard_normal((T, heads * hd)).astype(np.float32)
+    gate = q_and_gate.reshape(T, heads, 2 * hd)[..., hd:].reshape(T, heads * hd)
+    np.testing.assert_allclose(host(gb.attention_gate(attn, q_and_gate, hd)), attn * sigmoid(gate), rtol=1e-5, atol=1e-7)
+
+    gate_up = rng.standard_normal((T, 2 * 1024)).astype(np.float32)
+    np.testing.assert_allclose(host(gb.silu_mul(gate_up)), silu(gate_up[:, :1024]) * gate_up[:, 1024:], rtol=1e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------- sampling ---
+
+def test_argmax_and_top_k_match_numpy_orders():
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((4, 248320)).astype(np.float32)
+    logits[1, [7, 9000, 200000]] = 50.0  # a three-way tie: the lowest index first
+    assert np.array_equal(host(gb.argmax(logits)), logits.argmax(axis=1))
+    index, value = gb.top_k(logits, 64)
+    want = np.argsort(-logits, axis=1, kind="stable")[:, :64]
+    assert np.array_equal(host(index), want)
+    assert np.array_equal(host(value), np.take_along_axis(logits, want, axis=1))
+
+
+def test_int4_ranking_with_bf16_rescoring_picks_the_bf16_heads_argmax():
+    rng = np.random.default_rng(6)
+    V, H = 8192, 1024
+    head = round_to_bf16(rng.standard_normal((V, H)).astype(np.float32) * 0.05)
+    hidden = rng.standard_normal((3, H)).astype(np.float32)
+    ranked = gb.RescoredHead(quantize_rtn(head), f32_to_bf16_bits(head), candidates=32)
+    exact = hidden @ head.T
+    assert np.array_equal(host(ranked.greedy(hidden)), exact.argmax(axis=1))
