@@ -30,7 +30,8 @@ wait_for() {  # wait_for REGEX SECONDS WHAT
     done
 }
 
-command="DUET_HOME=$(printf %q "$home") duet$(printf ' %q' "$@")"
+command="DUET_HOME=$(printf %q "$home") duet"
+[ "$#" -eq 0 ] || command+="$(printf ' %q' "$@")"  # printf with no arguments still prints ''
 tmux new-session -d -s "$session" -x 120 -y 40
 tmux set-option -t "$session" remain-on-exit on
 tmux respawn-pane -k -t "$session" "$command"

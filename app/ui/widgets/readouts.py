@@ -14,7 +14,7 @@ NOTHING = "—"
 
 def readout_rows(readout: Readout) -> list[tuple[str, str]]:
     """(label, value) rows; a figure the engine did not measure shows as a dash."""
-    by_position = " · ".join(f"{share:.0%}" for share in readout.accept_by_position)
+    by_position = " ".join(f"{share:.0%}" for share in readout.accept_by_position)  # four fit the panel
     return [
         ("decode", f"{readout.decode_tok_s:.1f} tok/s" if readout.decode_tok_s else NOTHING),
         ("prefill", f"{readout.prefill_tok_s:.0f} tok/s" if readout.prefill_tok_s else NOTHING),
