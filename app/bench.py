@@ -5,6 +5,7 @@
     duet bench quality --model A --vs B    mean KL and top-1 agreement of B's routes against A over a fixed text
     duet bench routes --model DIR          each route's GEMV weight bytes/s and decode tok/s on one checkpoint
     duet bench spec [--model DIR]          tokens per cycle and tok/s of each drafter and rule against no drafts
+    duet bench heads                       ms per row of the full head, the draft shortlist and host tables
 
 Each benchmark is a sibling sub-subcommand: an `add_*` function registers its arguments and sets
 `run`, which returns the exit code. torch and transformers (the `test` extra) are imported only
@@ -56,6 +57,9 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     add_routes_command(benchmarks)
     add_spec_command(benchmarks)
     add_trellis_command(benchmarks)
+    from app.bench_heads import add_heads_command  # here: bench_heads reads this module's GEOMETRIES
+
+    add_heads_command(benchmarks)
 
 
 def positive_int(text: str) -> int:

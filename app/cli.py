@@ -96,6 +96,10 @@ def main_parser() -> OneLineParser:
     parser.add_argument("--context", type=int, help="token budget for prompt + reply (default: the model's)")
     parser.add_argument("--kv", choices=["full", "q4"], default="full",
                         help="attention KV cache: full precision, or q4 (4-bit, Hadamard-rotated, exact sink and recent rows)")
+    parser.add_argument("--host-tables", action="store_true",
+                        help="rank the vocabulary with an int4 copy of the head and rescore the best 64 with the "
+                             "bf16 rows, as on a card whose bf16 tables live in host memory: greedy ids unchanged, "
+                             "sampling limited to those 64")
     parser.add_argument("--draft", choices=["auto", "mtp", "ngram", "none"], default="auto",
                         help="drafter: auto uses the MTP head when the checkpoint has one, else n-gram lookup")
     parser.add_argument("--depth", default="auto",

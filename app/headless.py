@@ -20,7 +20,7 @@ def run_headless(args: argparse.Namespace) -> int:
     options = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, context=args.context,
                               draft=args.draft, depth=parse_depth(args.depth), accept=args.accept, kv=args.kv)
     bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
-    lm = load_model(args.model or bundled_demo_model(), progress=bar, route=args.route)
+    lm = load_model(args.model or bundled_demo_model(), progress=bar, route=args.route, host_tables=args.host_tables)
     if bar:
         bar.close()
     tokenizer = lm.tokenizer

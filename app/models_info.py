@@ -12,9 +12,10 @@ import json
 
 from engine.checkpoint.headers import CheckpointHeaders, read_headers
 from engine.errors import DuetError
+from engine.heads import RESCORE_CANDIDATES, SHORTLIST_ROWS
 from engine.placement import (
-    DEFAULT_ETA, EXPERTS, KV_TYPES, RESCORE_CANDIDATES, RTX_3090, SHORTLIST_ROWS, Assessment, Card, Settings, GB, GiB,
-    assess, attention_layers, describe_format, detect_card,
+    DEFAULT_ETA, EXPERTS, KV_TYPES, RTX_3090, Assessment, Card, Settings, GB, GiB, assess, attention_layers,
+    describe_format, detect_card,
 )
 
 

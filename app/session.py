@@ -209,11 +209,12 @@ def available_routes(lm: LoadedModel) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class EngineChoices:
-    """What the command line chose for the engine this run (`--draft`, `--depth`, `--kv`)."""
+    """What the command line chose for the engine this run (`--draft`, `--depth`, `--kv`, `--host-tables`)."""
 
     draft: str = "auto"
     depth: int | None = None
     kv: str = "full"
+    host_tables: bool = False
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class LoadedModel:
     route: str
     routes: tuple[str, ...] = ()  # every route this checkpoint can run, the natural one first
     weights: ModelWeights | None = field(default=None, repr=False)  # kept when there is another route to build
+    host_tables: bool = False  # the head ranks with an int4 copy and rescores with bf16 rows (engine/heads.py)
 
     def use_route(self, route: str) -> None:
         """Run the next forward pass on another route of the same weights, without reading files again.
@@ -47,28 +48,29 @@ class LoadedModel:
             return
         if route not in self.routes or self.weights is None:
             raise DuetError(f"{self.name} cannot run the {route} route; it runs {' or '.join(self.routes)}")
-        self.model.take_weights(self.weights.assemble(route))
+        self.model.take_weights(self.weights.assemble(route, self.host_tables))
         self.route = route
 
 
 def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None = None,
-               route: str = "auto") -> LoadedModel:
+               route: str = "auto", host_tables: bool = False) -> LoadedModel:
     """Read config, tokenizer and the tensors the text model needs (never the vision tower).
 
     `path` is a model folder (safetensors: bf16, or INT4 compressed-tensors / GPTQ) or a .gguf file
     (or a folder holding one). `route` is bf16, w4a16, w4a8, or auto for the checkpoint's natural
     one. Headers, shapes, the route and the tokenizer are all checked before any weight data is
-    read, so a bad file fails fast with one line naming it.
+    read, so a bad file fails fast with one line naming it. `host_tables`: see engine/heads.py.
     """
     opened = open_model(path)
     report = (lambda done, total: progress(LoadProgress(done, total))) if progress else None
     try:
         chosen = resolve_route(route, opened.routes, opened.description, opened.location)
-        weights = read_weights(opened.checkpoint, opened.config, report, opened.quantized)
+        weights = read_weights(opened.checkpoint, opened.config, report, opened.quantized, host_tables)
     finally:
         opened.checkpoint.close()
-    return LoadedModel(opened.name, opened.location, opened.config, weights.assemble(chosen), opened.tokenizer,
-                       route=chosen, routes=opened.routes, weights=weights if len(opened.routes) > 1 else None)
+    return LoadedModel(opened.name, opened.location, opened.config, weights.assemble(chosen, host_tables),
+                       opened.tokenizer, route=chosen, routes=opened.routes,
+                       weights=weights if len(opened.routes) > 1 else None, host_tables=host_tables)
 
 
 def check_model(path: str | Path) -> ModelConfig:

@@ -330,13 +330,14 @@ class MTPHead:
 
 class Model:
     def __init__(self, config: ModelConfig, embed: np.ndarray, layers: list[DecoderLayer], norm: np.ndarray,
-                 lm_head, mtp: MTPHead | None = None):
+                 lm_head, mtp: MTPHead | None = None, draft_head=None):
         self.config = config
         self.embed = embed  # [V, H] fp32
         self.layers = layers
         self.norm = norm
-        self.lm_head = lm_head  # Linear [V, H]
+        self.lm_head = lm_head  # Linear [V, H], or a head of engine/heads.py
         self.mtp = mtp
+        self.draft_head = draft_head  # logits over the draft shortlist (engine/heads.py); None: lm_head
 
     def take_weights(self, other: Model) -> None:
         """Run from now on with other's layers and heads (the same checkpoint under another route).
@@ -346,7 +347,8 @@ class Model:
         """
         if other.config is not self.config:
             raise ValueError("take_weights needs a Model of the same checkpoint")
-        self.embed, self.layers, self.norm, self.lm_head, self.mtp = other.embed, other.layers, other.norm, other.lm_head, other.mtp
+        self.embed, self.layers, self.norm = other.embed, other.layers, other.norm
+        self.lm_head, self.mtp, self.draft_head = other.lm_head, other.mtp, other.draft_head
 
     def new_state(self, kv: str = "full") -> SequenceState:
         """Fresh per-sequence state; kv "q4" keeps attention keys/values in the 4-bit cache."""
@@ -363,6 +365,10 @@ class Model:
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.lm_head(hidden)
+
+    def draft_logits(self, hidden: np.ndarray) -> np.ndarray:
+        """Logits a drafter ranks: the shortlisted ids only (-inf elsewhere) when there is a shortlist."""
+        return self.lm_head(hidden) if self.draft_head is None else self.draft_head(hidden)
 
     def new_mtp_state(self) -> SequenceState:
         return SequenceState([self.mtp.layer.mixer.new_cache()])

@@ -32,13 +32,12 @@ from engine.checkpoint.headers import CheckpointHeaders
 from engine.checkpoint.safetensors import TensorInfo
 from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from engine.errors import CheckpointError
+from engine.heads import RESCORE_CANDIDATES, SHORTLIST_ROWS
 
 GB, GiB, MiB = 10**9, 1 << 30, 1 << 20
 
 # Conventions of this engine (choices, not facts of a checkpoint).
 W4_GROUP = 128  # W4 layout: 4-bit levels, one bf16 scale per 128 inputs (DESIGN.md, Routes)
-SHORTLIST_ROWS = 65_536  # MTP drafts rank a shortlist of the vocabulary, as both seed engines do
-RESCORE_CANDIDATES = 64  # the int4 head's best candidates per row, rescored with bf16 rows (seed: 16 to 64)
 KV_Q8_GROUP = 32  # q8 KV: int8 values with an fp16 scale per 32 (q4: engine.cache.Q4_GROUP, the same)
 EXACT_ROW_BYTES = 2  # quantized KV keeps its sink and recent rows exact, 16-bit
 STATE_BYTES = 4  # DeltaNet recurrent state and conv history are fp32

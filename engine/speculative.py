@@ -147,7 +147,7 @@ class MTPDrafter:
         for i in range(k):
             if i:
                 hidden = self.model.mtp_forward(self.state, [tokens[-1]], hidden)
-            token, q = _draw_draft(self.model.logits(hidden)[0], sampler, history + tokens)
+            token, q = _draw_draft(self.model.draft_logits(hidden)[0], sampler, history + tokens)
             tokens.append(token)
             qs.append(q)
         self.state.rewind(committed_length)

@@ -57,7 +57,7 @@ def run_ui(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     paths = user_paths()
     config = load_config(paths.config_file)
     launch = Launch(model_path(args.model, config, paths), args.route, args.context,
-                    EngineChoices(args.draft, parse_depth(args.depth), args.kv), args.accept)
+                    EngineChoices(args.draft, parse_depth(args.depth), args.kv, args.host_tables), args.accept)
     DuetApp(paths, config, launch).run()
     return 0
 

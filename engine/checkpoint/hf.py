@@ -11,13 +11,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.backend.cpu import stacked_linear
+from engine.backend.cpu import ConcatOutputs, stacked_linear
 from engine.checkpoint.safetensors import SafetensorsCheckpoint
 from engine.config import FULL_ATTENTION, ModelConfig
 from engine.errors import CheckpointError
+from engine.heads import RescoredHead, ShortlistHead, shortlist_ids
+from engine.quant.w4 import GROUP
 from engine.model import MLP, Attention, DecoderLayer, DeltaNet, Model, MoE, MTPHead
 
 Progress = Callable[[int, int], None]  # (bytes read so far, bytes to read)
+HEAD_KEY = {True: "embed_tokens.weight", False: "lm_head.weight"}  # by tie_word_embeddings
 
 
 def load_hf_model(ckpt: SafetensorsCheckpoint, config: ModelConfig, progress: Progress | None = None,
@@ -27,9 +30,14 @@ def load_hf_model(ckpt: SafetensorsCheckpoint, config: ModelConfig, progress: Pr
 
 
 def read_weights(ckpt: SafetensorsCheckpoint, config: ModelConfig, progress: Progress | None = None,
-                 quantized=None) -> ModelWeights:
-    """Every tensor the model needs, read once; `assemble` builds a Model for any route the weights run."""
+                 quantized=None, host_tables: bool = False) -> ModelWeights:
+    """Every tensor the model needs, read once; `assemble` builds a Model for any route the weights run.
+
+    host_tables: check, before reading, that the head is float, which rescoring needs.
+    """
     plan = TensorPlan(ckpt, config, quantized)
+    if host_tables:
+        plan.check_host_tables()
     return ModelWeights(config, plan.read_all(progress), plan)
 
 
@@ -39,9 +47,13 @@ class ModelWeights:
     def __init__(self, config: ModelConfig, tensors: dict, plan: TensorPlan):
         self.config, self.tensors, self.plan = config, tensors, plan
 
-    def assemble(self, route: str) -> Model:
-        """A Model whose linears run `route`; arrays are shared with these weights, not copied."""
-        return _assemble(self.config, self.tensors, self.plan, route)
+    def assemble(self, route: str, host_tables: bool = False) -> Model:
+        """A Model whose linears run `route`; arrays are shared with these weights, not copied.
+
+        host_tables: the output head ranks with an int4 copy and rescores with the bf16 rows
+        (engine/heads.py); the checkpoint's head must then be float.
+        """
+        return _assemble(self.config, self.tensors, self.plan, route, host_tables)
 
 
 class TensorPlan:
@@ -61,6 +73,19 @@ class TensorPlan:
     def name(self, key: str) -> str:
         """Checkpoint name of a model tensor (`layers.3.mlp.down_proj.weight`), or an `mtp.` name as is."""
         return key if key.startswith(("mtp.", "lm_head.")) else self.prefix + key
+
+    def head_name(self) -> str:
+        return self.name(HEAD_KEY[self.config.tie_word_embeddings])
+
+    def check_host_tables(self) -> None:
+        """Host tables rank with a W4 copy of a float head: refuse what cannot make one, before any read."""
+        head = self.head_name()
+        if head in self.quantized:
+            raise CheckpointError(self.ckpt.file_of(head), f"--host-tables rescores with the float head, but {head} "
+                                  "is stored quantized here; run without --host-tables")
+        if self.config.hidden_size % GROUP:
+            raise CheckpointError(self.ckpt.file_of(head), f"--host-tables needs a hidden size that is a multiple of "
+                                  f"{GROUP} for its int4 head (this model's is {self.config.hidden_size}); run without it")
 
     def need(self, key: str, *shape: int) -> None:
         self.expected[self.name(key)] = tuple(shape)
@@ -178,17 +203,17 @@ class Weights:
     def linear(self, *keys: str, expert: int | None = None, rows: np.ndarray | None = None):
         """The matrices of keys stacked by rows, of one expert of a fused tensor, or some of its rows."""
         parts = [self(key) if expert is None else self(key)[expert] for key in keys]
-        if rows is not None:
-            parts = [p[rows] if isinstance(p, np.ndarray) else p.take_rows(rows) for p in parts]
+        if rows is not None:  # indices, or a slice (a view of float weights)
+            parts = [p[rows] if isinstance(p, np.ndarray) else p.take_rows(np.arange(p.shape[0])[rows]) for p in parts]
         return stacked_linear(parts, self.route)
 
 
-def _assemble(config: ModelConfig, t: dict, plan: TensorPlan, route: str = "bf16") -> Model:
+def _assemble(config: ModelConfig, t: dict, plan: TensorPlan, route: str = "bf16", host_tables: bool = False) -> Model:
     get = Weights(t, plan, route)
     layers = [_layer(config, get, f"layers.{i}.", kind, config.moe_layers[i], plan.fused_experts)
               for i, kind in enumerate(config.layer_types)]
     embed = get("embed_tokens.weight")
-    lm_head = get.linear("embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
+    lm_head, draft_head = _heads(config, get, host_tables)
     mtp = None
     if plan.has_mtp:
         mtp = MTPHead(
@@ -198,7 +223,25 @@ def _assemble(config: ModelConfig, t: dict, plan: TensorPlan, route: str = "bf16
             layer=_layer(config, get, "mtp.layers.0.", FULL_ATTENTION, config.is_moe, plan.fused_experts),
             norm=1.0 + get("mtp.norm.weight"),
         )
-    return Model(config, embed, layers, 1.0 + get("norm.weight"), lm_head, mtp)
+    return Model(config, embed, layers, 1.0 + get("norm.weight"), lm_head, mtp, draft_head)
+
+
+def _heads(c: ModelConfig, get: Weights, host_tables: bool):
+    """The output head, and the draft head over the vocabulary shortlist (None: drafts rank all of it).
+
+    With host tables the head must be float (read_weights refuses a quantized one before reading).
+    """
+    key = HEAD_KEY[c.tie_word_embeddings]
+    ids = shortlist_ids(c.vocab_size, c.eos_token_ids)
+    if host_tables:
+        head = RescoredHead(get(key))
+        return head, None if ids is None else ShortlistHead(head.draft_rows(ids), ids, c.vocab_size)
+    head = get.linear(key)
+    if ids is None:
+        return head, None
+    block = np.count_nonzero(ids == np.arange(len(ids)))  # the leading ids 0..block-1, then the stop tokens
+    parts = [get.linear(key, rows=slice(0, block))] + ([get.linear(key, rows=ids[block:])] if block < len(ids) else [])
+    return head, ShortlistHead(parts[0] if len(parts) == 1 else ConcatOutputs(parts), ids, c.vocab_size)
 
 
 def _layer(c: ModelConfig, get, p: str, kind: str, moe: bool, fused_experts: bool) -> DecoderLayer:

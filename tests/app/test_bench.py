@@ -62,3 +62,18 @@ def test_make_random_geometry_reads_back_as_qwen35_08b():
     assert (config.linear_num_key_heads, config.linear_num_value_heads) == (16, 16)
     assert (config.rope_theta, config.rotary_dim, config.tie_word_embeddings) == (1e7, 64, True)
     assert [i for i, kind in enumerate(config.layer_types) if kind == FULL_ATTENTION] == [3, 7]
+
+
+def test_heads_bench_times_each_head_against_the_full_one(monkeypatch, capsys):
+    """On a smaller vocabulary than the real geometry's (the command, not its figures, is under test)."""
+    from app import bench
+
+    monkeypatch.setitem(bench.GEOMETRIES, "qwen3.5-0.8b", dict(bench.GEOMETRIES["qwen3.5-0.8b"], vocab_size=70_000, hidden_size=128))
+    assert main(["bench", "heads", "--repeats", "1", "--rows", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["vocab"], result["hidden"], result["shortlist_rows"]) == (70_000, 128, 65_536)
+    names = ["full head", "draft shortlist", "host tables (int4 + rescoring)"]
+    assert list(result["ms_per_row"]) == names and all(result["ms_per_row"][n] > 0 for n in names)
+    assert result["vs_full_head"]["full head"] == 1.0
+    assert main(["bench", "heads", "--repeats", "1", "--rows", "1"]) == 0
+    assert "draft shortlist" in capsys.readouterr().out

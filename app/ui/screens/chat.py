@@ -128,7 +128,7 @@ class ChatScreen(Screen):
     def load_model_in_background(self, path: Path, route: str) -> None:
         report = _throttled(lambda share: self.post_message(self.LoadProgressed(share)))
         try:
-            lm = load_model(path, progress=report, route=route)
+            lm = load_model(path, progress=report, route=route, host_tables=self.choices.host_tables)
         except DuetError as error:
             self.post_message(self.LoadFailed(str(error)))
             return
