@@ -391,7 +391,7 @@ def quality_table(result: dict) -> str:
 def add_routes_command(benchmarks) -> None:
     routes = benchmarks.add_parser(
         "routes", help="per route: the GEMV's weight bytes streamed per second and greedy decode tok/s")
-    routes.add_argument("--model", required=True, help="model folder (bf16 or INT4 safetensors; no tokenizer needed)")
+    routes.add_argument("--model", required=True, help="model folder (bf16, INT4 or trellis safetensors; no tokenizer needed)")
     routes.add_argument("--new-tokens", type=positive_int, default=8, help="decode steps timed per route (default 8)")
     routes.add_argument("--repeats", type=positive_int, default=5, help="GEMV calls timed per route; best counts")
     routes.add_argument("--json", action="store_true", help="print one JSON object with all figures")
@@ -400,13 +400,14 @@ def add_routes_command(benchmarks) -> None:
 
 def run_routes_bench(args: argparse.Namespace) -> int:
     from engine.checkpoint.quantized import read_quantization
+    from engine.checkpoint.trellis_files import read_trellis
 
     model_dir = Path(args.model).expanduser()
     if not model_dir.is_dir():
         raise DuetError(f"{model_dir}: no such model folder; pass --model with a folder holding config.json")
     config = ModelConfig.from_file(model_dir / "config.json")
     checkpoint = SafetensorsCheckpoint(model_dir)
-    quantized = read_quantization(model_dir, checkpoint)
+    quantized = read_trellis(checkpoint) or read_quantization(model_dir, checkpoint)
     available = quantized.routes if quantized else ("bf16",)
     result = {"benchmark": "routes", "model": str(model_dir.resolve()), "geometry": geometry(config),
               "threads": blas_threads(), "new_tokens": args.new_tokens, "routes": {}}

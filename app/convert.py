@@ -42,7 +42,9 @@ TRELLIS_RATES = {f"trellis-{k}": k for k in trellis.RATES}
 TRELLIS_SEED = 1  # rotation signs of every matrix: np.random.default_rng(1), first K of them
 FORMATS = (INT4, *GGUF_TYPES, *TRELLIS_RATES)
 OUR_FORMAT = {"duet.format": "int4-pack-quantized", "duet.version": "1"}  # __metadata__ of our INT4 files
-KEPT_16BIT = ("embed_tokens", "lm_head", "in_proj_a", "in_proj_b", "mlp.gate", "shared_expert_gate")
+# in_proj_ba is Qwen3-Next's fused in_proj_b + in_proj_a: kept 16-bit like them (its per-head split
+# takes rows that cut trellis tiles).
+KEPT_16BIT = ("embed_tokens", "lm_head", "in_proj_a", "in_proj_b", "in_proj_ba", "mlp.gate", "shared_expert_gate")
 ARCHS = {"qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe",
          "qwen3_next": "qwen3next"}
 MROPE_SECTIONS = [11, 11, 10, 0]  # llama.cpp requires the key for qwen35; text-only positions make it plain RoPE

@@ -235,6 +235,12 @@ def stacked_linear(parts: list, route: str):
     if all(isinstance(p, W4Weight) for p in parts):
         return make_linear(W4Weight(np.concatenate([p.packed for p in parts]),
                                     np.concatenate([p.scales for p in parts])), route)
+    if all(isinstance(p, TrellisWeight) and (p.k, p.seed, p.shape[1]) == (parts[0].k, parts[0].seed, parts[0].shape[1])
+           for p in parts):
+        # Tiles are stored row band by row band (trellis.to_tiles), so stacking rows concatenates tiles.
+        first = parts[0]
+        return make_linear(TrellisWeight(np.concatenate([p.packed for p in parts]), np.concatenate([p.row_scale for p in parts]),
+                                         (sum(p.shape[0] for p in parts), first.shape[1]), first.k, first.seed), route)
     if all(isinstance(p, BlockMatrix) and (p.qtype, p.K) == (parts[0].qtype, parts[0].K) for p in parts):
         return make_linear(BlockMatrix(parts[0].qtype, np.concatenate([p.raw for p in parts]), parts[0].K), route)
     return ConcatOutputs([make_linear(p, route) for p in parts])

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.errors import DuetError
+
 TILE_ROWS, TILE_COLS = 16, 8
 TILE = TILE_ROWS * TILE_COLS
 STATE_BITS = 16
@@ -303,6 +305,26 @@ class TrellisWeight:
         levels = from_tiles(decode_tiles(packed, self.k), ((last - first) * TILE_ROWS, k_dim))
         rows = levels[start - first * TILE_ROWS:stop - first * TILE_ROWS].astype(np.float32)
         return rows.reshape(stop - start, -1, HADAMARD_BLOCK), self.row_scale[start:stop]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.row_scale.nbytes
+
+    def take_rows(self, rows: np.ndarray) -> TrellisWeight:
+        """The weight of `rows` (qwen3_next's fused projections split by head), without re-coding.
+
+        A tile codes 16 rows together, so rows must come in whole 16-row bands (band b: rows
+        16b .. 16b + 15 in order); any band order works, the tiles move as they are.
+        """
+        rows = np.asarray(rows)
+        n, k_dim = self.shape
+        bands = rows[::TILE_ROWS] // TILE_ROWS
+        if len(rows) % TILE_ROWS or not np.array_equal(rows, (bands[:, None] * TILE_ROWS + np.arange(TILE_ROWS)).ravel()):
+            raise DuetError(f"a trellis weight [{n}, {k_dim}] codes rows in 16-row tiles; this model splits it at "
+                            "rows that cut a tile: convert it to int4 instead")
+        tiles = self.packed.reshape(n // TILE_ROWS, k_dim // TILE_COLS, -1)[bands]  # [bands, K/8, tile bytes]
+        return TrellisWeight(tiles.reshape(-1, self.packed.shape[1]), self.row_scale[rows], (len(rows), k_dim),
+                             self.k, self.seed)
 
     def dequantize_rotated(self) -> np.ndarray:
         levels, scale = self.decode_rows(0, self.shape[0])

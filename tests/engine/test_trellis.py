@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engine.errors import DuetError
 from engine.quant import trellis as T
 
 ALL_STATES = np.arange(T.N_STATES)
@@ -140,3 +141,20 @@ def test_quantize_matrix_reconstructs_a_heavy_tailed_weight():
     levels, scale = q.decode_rows(3, 9)  # rows inside one 16-row tile band
     assert levels.shape == (6, 1, 128) and np.array_equal(scale, q.row_scale[3:9])
     np.testing.assert_allclose(levels.reshape(6, 128) * scale[:, None], q.dequantize_rotated()[3:9])
+
+
+def test_take_rows_moves_whole_tile_bands_without_recoding():
+    w = np.random.default_rng(6).standard_normal((48, 128)).astype(np.float32)
+    q = T.quantize_matrix(w, 2, seed=4, step=T.STEPS[2])
+    rows = np.concatenate([np.arange(32, 48), np.arange(0, 16)])  # bands 2 then 0
+    taken = q.take_rows(rows)
+    assert taken.shape == (32, 128) and taken.packed.shape == (32 // 16 * 128 // 8, q.packed.shape[1])
+    assert np.array_equal(taken.dequantize(), q.dequantize()[rows])
+    assert taken.nbytes == taken.packed.nbytes + 32 * 4
+
+
+@pytest.mark.parametrize("rows", [np.arange(8), np.arange(1, 17), np.r_[np.arange(15), 16]])
+def test_take_rows_refuses_rows_that_cut_a_tile(rows):
+    q = T.quantize_matrix(np.ones((32, 128), np.float32), 4, seed=0, step=T.STEPS[4])
+    with pytest.raises(DuetError, match="cut a tile"):
+        q.take_rows(rows)

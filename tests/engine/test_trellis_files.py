@@ -15,9 +15,9 @@ import pytest
 
 from app.cli import main
 from app.convert import write_safetensors
-from conftest import build_reference, save_reference
+from conftest import build_reference, moe_fields, randomize, save_reference, tiny_text_config
 from engine import load_model
-from engine.backend.cpu import ROWWISE_MAX, TrellisLinear
+from engine.backend.cpu import ROWWISE_MAX, TrellisLinear, stacked_linear
 from engine.checkpoint.safetensors import SafetensorsFile
 from engine.quant import trellis
 from test_routes import decode, mean_kl
@@ -103,3 +103,70 @@ def test_wrong_tile_count_is_one_line_exit_2(converted, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "model.layers.1.mlp.down_proj.trellis_codes is U8 [63, 64]" in err and "(64 tiles)" in err
+
+
+def test_stacked_trellis_weights_run_as_one_linear():
+    rng = np.random.default_rng(8)
+    gate, up = (trellis.quantize_matrix(rng.standard_normal((n, 128)).astype(np.float32), 2, seed=3, step=trellis.STEPS[2])
+                for n in (32, 16))
+    linear = stacked_linear([gate, up], "w4a8")
+    assert isinstance(linear, TrellisLinear) and linear.shape == (48, 128)
+    np.testing.assert_array_equal(linear.weight.dequantize(), np.concatenate([gate.dequantize(), up.dequantize()]))
+
+
+def qwen3_next_with_coded_projections(seed: int):
+    """One DeltaNet layer and a MoE whose K = 128 matrices the converter codes: in_proj_qkvz [192, 128]
+    (two key heads, so its split takes bands from both halves), experts' and shared gate/up."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    text = tiny_text_config(hidden_size=128, num_hidden_layers=1)
+    config = tf.Qwen3NextConfig(**text, **moe_fields(num_experts=2, moe_intermediate_size=16,
+                                                     shared_expert_intermediate_size=16),
+                                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    model = tf.Qwen3NextForCausalLM(config)
+    randomize(model, seed)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def next_trellis(tmp_path_factory):
+    root = tmp_path_factory.mktemp("next")
+    source = save_reference(qwen3_next_with_coded_projections(5), root / "source")
+    assert main(["convert", str(source), str(root / "trellis-2"), "--format", "trellis-2"]) == 0
+    return source, root / "trellis-2"
+
+
+def test_qwen3_next_fused_projections_convert_and_run(next_trellis):
+    source, coded = next_trellis
+    file = SafetensorsFile(coded / "model.safetensors")
+    assert "model.layers.0.linear_attn.in_proj_qkvz.trellis_codes" in file.tensors
+    assert "model.layers.0.linear_attn.in_proj_ba.weight" in file.tensors  # kept 16-bit
+    lm, reference = load_model(coded), load_model(source)
+    assert lm.route == "w4a8"
+    # The split regroups qkvz's rows per key head; each part must hold the source's rows.
+    for part in ("in_qkv", "in_z"):
+        ours, theirs = getattr(lm.model.layers[0].mixer, part), getattr(reference.model.layers[0].mixer, part)
+        assert isinstance(ours, TrellisLinear)
+        w, expected = ours.weight.dequantize(), theirs.weight
+        assert np.mean((w - expected) ** 2) < 0.15 * np.mean(expected ** 2)  # 2-bit coding error, ~7%
+    expected = decode(reference, PROMPT)
+    forced = [int(t) for t in expected.argmax(axis=-1)]
+    on_w4a8 = decode(lm, PROMPT, forced)
+    dequantized = decode(load_model(coded, route="bf16"), PROMPT, forced)
+    print(f"qwen3_next trellis-2: mean KL(bf16 || w4a8) {mean_kl(expected, on_w4a8):.5f}, "
+          f"KL(dequantized || w4a8) {mean_kl(dequantized, on_w4a8):.5f}")
+    assert mean_kl(dequantized, on_w4a8) < 0.01  # the route adds int8 activation rounding only
+
+
+def test_routes_bench_runs_a_trellis_model(next_trellis, capsys):
+    _, coded = next_trellis
+    assert main(["bench", "routes", "--model", str(coded), "--new-tokens", "2", "--repeats", "1", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert list(result["routes"]) == ["w4a8", "bf16"]
+    coded_gemv, dense = result["routes"]["w4a8"], result["routes"]["bf16"]
+    assert coded_gemv["gemv_shape"] == dense["gemv_shape"] == [32, 128]  # the shared expert's gate and up
+    assert coded_gemv["gemv_weight_bytes"] == 32 * 128 * 2 // 8 + 32 * 4  # 2-bit codes + one fp32 row scale per row
+    assert dense["gemv_weight_bytes"] == 32 * 128 * 4
+    assert all(r["gemv_gb_s"] > 0 and r["decode_tok_s"] > 0 for r in result["routes"].values())
