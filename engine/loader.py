@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.backend.cpu import resolve_route
+from engine.backend.select import backend_name, gpu_geometry_problem
 from engine.checkpoint.gguf import GGUFCheckpoint, find_gguf
 from engine.checkpoint.hf import ModelWeights, TensorPlan, read_weights
 from engine.checkpoint.quantized import read_quantization
@@ -65,12 +67,46 @@ def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None
     report = (lambda done, total: progress(LoadProgress(done, total))) if progress else None
     try:
         chosen = resolve_route(route, opened.routes, opened.description, opened.location)
+        backend = choose_backend(opened.config, opened.location)
         weights = read_weights(opened.checkpoint, opened.config, report, opened.quantized, host_tables)
     finally:
         opened.checkpoint.close()
-    return LoadedModel(opened.name, opened.location, opened.config, weights.assemble(chosen, host_tables),
+    model = on_backend(weights.assemble(chosen, host_tables), backend, opened.location)
+    return LoadedModel(opened.name, opened.location, opened.config, model,
                        opened.tokenizer, route=chosen, routes=opened.routes,
                        weights=weights if len(opened.routes) > 1 else None, host_tables=host_tables)
+
+
+BACKEND_ENV = "DUET_BACKEND"  # cpu or cupy forces a backend; unset or auto: cupy where a GPU and CuPy are
+
+
+def choose_backend(config: ModelConfig, source: Path) -> str:
+    """`cpu` or `cupy` for this model: DUET_BACKEND if set, else the GPU when there is one and our
+    kernels take the model's geometry."""
+    requested = os.environ.get(BACKEND_ENV, "auto")
+    try:
+        name = backend_name(requested)
+    except ValueError as error:
+        raise DuetError(f"{BACKEND_ENV}={requested}: {error}") from None
+    problem = gpu_geometry_problem(config) if name == "cupy" else None
+    if problem and requested == "cupy":
+        raise DuetError(f"{source}: the GPU kernels cannot run {problem}; unset {BACKEND_ENV} to run on the CPU")
+    return "cpu" if problem else name
+
+
+def on_backend(model: Model, backend: str, source: Path):
+    """The CPU model, or the same weights on the GPU (engine/backend/cupy_model.py, imported only here).
+    A weight our GPU kernels do not take keeps the model on the CPU, unless the GPU was forced."""
+    if backend == "cpu":
+        return model
+    from engine.backend.cupy_model import GpuModel
+
+    try:
+        return GpuModel(model)
+    except ValueError as error:
+        if os.environ.get(BACKEND_ENV) == "cupy":
+            raise DuetError(f"{source}: {error}; unset {BACKEND_ENV} to run on the CPU") from None
+        return model
 
 
 def check_model(path: str | Path) -> ModelConfig:

@@ -380,6 +380,20 @@ class KVCache:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def reserve(self, rows: int) -> bool:
+        """Room for positions 0 .. rows - 1 (capacity at least doubles); True when the arrays moved."""
+        if rows <= self.keys.shape[1]:
+            return False
+        self.keys, self.values = (_grown(a, rows, self.length) for a in (self.keys, self.values))
+        return True
+
+
+def _grown(array: cp.ndarray, rows: int, length: int) -> cp.ndarray:
+    """array [kv, capacity, ...] with capacity max(rows, 2 x capacity), rows 0 .. length - 1 kept."""
+    grown = cp.zeros((array.shape[0], max(rows, 2 * array.shape[1]), *array.shape[2:]), array.dtype)
+    grown[:, :length] = array[:, :length]
+    return grown
+
 
 class Q4KVCache:
     """engine.cache.Q4KVCache on the device: codes and f16 scales per 32 of the rotated rows, exact
@@ -411,6 +425,14 @@ class Q4KVCache:
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
+
+    def reserve(self, rows: int) -> bool:
+        """Room for positions 0 .. rows - 1 in the coded arrays (the sink and ring are fixed)."""
+        if rows <= self.key_codes.shape[1]:
+            return False
+        self.key_codes, self.value_codes, self.key_scales, self.value_scales = (
+            _grown(a, rows, self.length) for a in (self.key_codes, self.value_codes, self.key_scales, self.value_scales))
+        return True
 
 
 def attend(q, cache: KVCache | Q4KVCache, start: cp.ndarray, past: int) -> cp.ndarray:
@@ -477,6 +499,12 @@ def top_k(x, k: int) -> tuple[cp.ndarray, cp.ndarray]:
     index, value = cp.empty((R, k), cp.int32), cp.empty((R, k), cp.float32)
     kernel("sampling", "topk_merge")((R,), (256,), (candidates, _i32(chunks * k), _i32(k), index, value))
     return index, value
+
+
+def ring_push(ids: cp.ndarray, ring: cp.ndarray, count: cp.ndarray) -> None:
+    """ids int32 [n] into row count % slots of ring int32 [slots, width >= n] (-1 after n); count
+    (uint64 [1], on the device) += 1. A captured cycle ends with it: replays fill successive rows."""
+    kernel("sampling", "ring_push")((1,), (ring.shape[1],), (ids, _i32(ids.shape[0]), ring, _i32(ring.shape[0]), count))
 
 
 class RescoredHead:

@@ -49,3 +49,13 @@ def make_linear(weight, route: str, backend: str):
     from engine.backend import cpu
 
     return cpu.make_linear(weight, route)
+
+
+def gpu_geometry_problem(config) -> str | None:
+    """Why our GPU kernels cannot run a model of this geometry (one line), or None when they can."""
+    if config.head_dim not in (64, 128, 256):
+        return f"attention head_dim {config.head_dim} (the kernels take 64, 128 or 256)"
+    if config.linear_key_head_dim not in (32, 64, 128) or config.linear_value_head_dim % 32:
+        return (f"DeltaNet key/value head dims {config.linear_key_head_dim}/{config.linear_value_head_dim} "
+                "(the kernels take keys of 32, 64 or 128 and values in multiples of 32)")
+    return None

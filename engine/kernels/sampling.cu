@@ -133,3 +133,15 @@ extern "C" __global__ void pick_rescored(const float* __restrict__ logits, const
   for (int o = WARP / 2; o > 0; o >>= 1) best = u64_max(best, __shfl_xor_sync(0xffffffffu, best, o));
   if (threadIdx.x == 0) out[t] = key_index(best);
 }
+
+// The output ring of captured cycles: row (*count % slots) of ring [slots, blockDim.x] <- ids[0 .. n)
+// (-1 past n), then *count + 1, so the host reads the ids of many graph replays after one sync.
+// Launch: grid 1, block = the ring's width (at most 1024).
+extern "C" __global__ void ring_push(const int* __restrict__ ids, int n, int* __restrict__ ring, int slots,
+                                     unsigned long long* count) {
+  const unsigned long long c = *count;
+  const int t = threadIdx.x;
+  ring[(c % slots) * blockDim.x + t] = t < n ? ids[t] : -1;
+  __syncthreads();  // every thread has read *count before it moves on
+  if (t == 0) *count = c + 1;
+}
