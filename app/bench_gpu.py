@@ -1,14 +1,23 @@
-"""W4 GEMV bandwidth on the GPU against the physical limit, both routes side by side.
+"""GPU benchmarks against the physical limit, both routes side by side.
 
-Each weight of the 27B geometry (REFERENCE.md section 1: hidden 5120, 24 query / 4 KV heads of 256,
-DeltaNet 16 key / 48 value heads of 128, intermediate 17408, vocab 248320) as random INT4 in the W4
-layout, run through the w4a16 and w4a8 Linears at 1, 4, 8 and 16 rows. A figure is weight bytes
-(packed nibbles + bf16 scales) over the median time of one call, route overheads (activation
-rounding or int8 quantization) included, as a share of the device-to-device copy bandwidth
-measured in the same run ((bytes read + bytes written) / time, what a memory-bound pass can reach).
-Each weight has enough copies in rotation that the L2 cache never holds the one being read.
+W4 GEMVs: each weight of the 27B geometry (REFERENCE.md section 1: hidden 5120, 24 query / 4 KV
+heads of 256, DeltaNet 16 key / 48 value heads of 128, intermediate 17408, vocab 248320) as random
+INT4 in the W4 layout, run through the w4a16 and w4a8 Linears at 1, 4, 8 and 16 rows. A figure is
+weight bytes (packed nibbles + bf16 scales) over the median time of one call, route overheads
+(activation rounding or int8 quantization) included, as a share of the device-to-device copy
+bandwidth measured in the same run ((bytes read + bytes written) / time, what a memory-bound pass
+can reach). Each weight has enough copies in rotation that the L2 cache never holds the one being read.
 
-    python -m app.bench_gpu [--json]
+Decode cycle: a random INT4 model of the 27B geometry (as many of its 64 layers as the card holds,
+said in the output) on the GPU model (engine/backend/cupy_model.py), a context of CONTEXT tokens
+prefilled, then a verify pass of 1 to 16 rows: uncaptured, and replayed as a CUDA graph. Its
+limit is the bill of bytes (engine/placement.py, from the model's tensor headers as `duet models
+info` computes it: the W4 decoder and int4 head, the DeltaNet and conv state read and written,
+the KV cache at the context, the state snapshots of the extra rows) over the copy bandwidth.
+The engine keeps DeltaNet's small in_proj_a/b in fp32 where the bill counts them 16-bit (0.7% of
+the bytes); the bill's bf16 rescoring rows are not read (this head is the int4 one alone).
+
+    python -m app.bench_gpu [--json] [--layers N]      duet bench gpu [--json] [--layers N]
 """
 
 from __future__ import annotations
@@ -113,14 +122,241 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m app.bench_gpu", description=__doc__.splitlines()[0])
+# ------------------------------------------------------------------------ decode cycle ---
+
+LAYERS_27B = 64
+CONTEXT = 512  # tokens in the cache when the cycles run
+CYCLE_ROWS = (1, 2, 4, 8, 16)
+REPLAYS = 10  # graph launches per timed call, back to back as consecutive cycles run
+
+
+def geometry_27b(layers: int):
+    """ModelConfig of the 27B geometry with `layers` layers (every 4th full attention)."""
+    from engine.config import ModelConfig
+
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+    return ModelConfig.from_dict(dict(
+        model_type="qwen3_5_text", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers, layer_types=types,
+        intermediate_size=INTERMEDIATE, num_attention_heads=Q_HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+        linear_num_key_heads=DN_KEY_HEADS, linear_num_value_heads=DN_VALUE_HEADS, linear_key_head_dim=DN_DIM,
+        linear_value_head_dim=DN_DIM, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        max_position_embeddings=262144, rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                         "partial_rotary_factor": 0.25}), "27B geometry")
+
+
+def tensor_shapes(c) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes of the text model's tensors (what a checkpoint of this config holds)."""
+    H, hk, hv, d = c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
+    channels = 2 * hk * d + hv * d
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,), "lm_head.weight": (c.vocab_size, H)}
+    for i, kind in enumerate(c.layer_types):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                   p + "mlp.gate_proj.weight": (c.intermediate_size, H), p + "mlp.up_proj.weight": (c.intermediate_size, H),
+                   p + "mlp.down_proj.weight": (H, c.intermediate_size)}
+        if kind == "full_attention":
+            heads, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+            shapes |= {p + "self_attn.q_proj.weight": (2 * heads * hd, H), p + "self_attn.k_proj.weight": (kv * hd, H),
+                       p + "self_attn.v_proj.weight": (kv * hd, H), p + "self_attn.o_proj.weight": (H, heads * hd),
+                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        else:
+            a = p + "linear_attn."
+            shapes |= {a + "in_proj_qkv.weight": (channels, H), a + "in_proj_z.weight": (hv * d, H),
+                       a + "in_proj_b.weight": (hv, H), a + "in_proj_a.weight": (hv, H),
+                       a + "conv1d.weight": (channels, 1, c.linear_conv_kernel_dim), a + "A_log": (hv,),
+                       a + "dt_bias": (hv,), a + "norm.weight": (d,), a + "out_proj.weight": (H, hv * d)}
+    return shapes
+
+
+def cycle_bill(c, rows: int) -> int:
+    """Bytes of one verify pass of `rows` rows at CONTEXT (engine.placement, from bf16 headers planned
+    as the W4 repack): the pass, plus the state snapshots of the rows after the first."""
+    from engine.checkpoint.headers import CheckpointHeaders
+    from engine.checkpoint.safetensors import TensorInfo
+    from engine.placement import bill_of_bytes, weights_of
+
+    tensors = {name: TensorInfo(name, "BF16", shape, 0, 2 * int(np.prod(shape))) for name, shape in tensor_shapes(c).items()}
+    headers = CheckpointHeaders("random INT4, 27B geometry", "safetensors", c, tensors, (), 0)
+    bill = bill_of_bytes(weights_of(headers, w4=True), c, CONTEXT, "bf16", depth=rows - 1)
+    return bill.verify_pass + bill.snapshots
+
+
+def random_device_model(c, route: str, seed: int = 0):
+    """A CPU-structured Model (engine.model) of random INT4 weights already on the device: the W4
+    matrices as CuPy arrays in W4Weight, wrapped in the route's CPU Linear, which GpuModel turns into
+    its GPU Linear without a copy. Both routes share the matrices of one call to `random_device_weights`."""
+    from engine import model as m
+    from engine.backend import cpu
+
+    linear = cpu.W4A16Linear if route == "w4a16" else cpu.W4A8Linear
+    w, rng = random_device_weights(c, seed), np.random.default_rng(seed)
+    ones = lambda n: np.ones(n, np.float32)  # noqa: E731  zero-centred norms hold 1 + w
+
+    def layer(i: int, kind: str) -> m.DecoderLayer:
+        p = f"model.layers.{i}."
+        if kind == "full_attention":
+            a = p + "self_attn."
+            mixer = m.Attention(*(linear(w[a + n]) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                ones(c.head_dim), ones(c.head_dim), c)
+        else:
+            d, hv = p + "linear_attn.", c.linear_num_value_heads
+            small = lambda: cpu.DenseLinear(rng.standard_normal((hv, c.hidden_size)).astype(np.float32) * 0.01)  # noqa: E731
+            mixer = m.DeltaNet(linear(w[d + "in_proj_qkv"]), linear(w[d + "in_proj_z"]), small(), small(),
+                               rng.standard_normal((w[d + "in_proj_qkv"].shape[0], c.linear_conv_kernel_dim)).astype(np.float32),
+                               -np.exp(rng.uniform(0, 2.5, hv)).astype(np.float32), ones(hv), ones(c.linear_value_head_dim),
+                               linear(w[d + "out_proj"]), c)
+        ffn = m.MLP(linear(w[p + "mlp.gate_up"]), linear(w[p + "mlp.down"]))
+        return m.DecoderLayer(mixer, ffn, ones(c.hidden_size), ones(c.hidden_size), c.rms_norm_eps)
+
+    layers = [layer(i, kind) for i, kind in enumerate(c.layer_types)]
+    return m.Model(c, w["embed"], layers, ones(c.hidden_size), linear(w["lm_head"]))
+
+
+_device_weights: dict = {}
+
+
+def random_device_weights(c, seed: int) -> dict:
+    """{name: W4Weight of CuPy arrays} for every matrix, "embed": fp32 [V, H] on the device; made once
+    per (layers, seed) and shared by the routes."""
+    key = (c.num_hidden_layers, seed)
+    if key not in _device_weights:
+        _device_weights.clear()
+        _device_weights[key] = _make_device_weights(c, seed)
+    return _device_weights[key]
+
+
+def _make_device_weights(c, seed: int) -> dict:
+    import cupy as cp
+
+    from engine.quant.w4 import W4Weight
+
+    cp.random.seed(seed)
+
+    def w4(N: int, K: int) -> W4Weight:
+        nibbles = cp.random.randint(0, 256, N * K // 2, dtype=cp.int32).astype(cp.uint8)  # two levels a byte
+        scales = cp.full((N, K // 128), 0x3C00, cp.uint16)  # bf16 2^-7
+        return W4Weight(nibbles.view(cp.uint32).reshape(N, K // 8), scales)
+
+    out = {"embed": cp.random.standard_normal((c.vocab_size, c.hidden_size), dtype=cp.float32),
+           "lm_head": w4(c.vocab_size, c.hidden_size)}
+    shapes = tensor_shapes(c)
+    for name, shape in shapes.items():
+        if name.endswith(("gate_proj.weight", "up_proj.weight")) or len(shape) != 2 or "in_proj_a" in name \
+                or "in_proj_b" in name or name.startswith(("model.embed", "lm_head")):
+            continue
+        out[name.removesuffix(".weight")] = w4(*shape)
+    for i in range(c.num_hidden_layers):  # gate and up stacked by rows, as the loader stacks them
+        out[f"model.layers.{i}.mlp.gate_up"] = w4(2 * c.intermediate_size, c.hidden_size)
+    out = {k.replace(".mlp.down_proj", ".mlp.down"): v for k, v in out.items()}
+    return out
+
+
+def layers_that_fit() -> int:
+    """Layers of the 27B geometry (a multiple of 4, at most 64) whose weights, with the head and the
+    fp32 embedding, fill at most 70% of the free device memory."""
+    import cupy as cp
+
+    from engine.placement import w4_bytes
+
+    free = cp.cuda.Device().mem_info[0]
+    c = geometry_27b(4)
+    per_four = sum(w4_bytes(s) for n, s in tensor_shapes(c).items() if ".layers." in n and len(s) == 2)
+    fixed = c.vocab_size * c.hidden_size * 4 + w4_bytes((c.vocab_size, c.hidden_size))  # fp32 embedding, int4 head
+    return int(max(4, min(LAYERS_27B, 4 * ((0.7 * free - fixed) // per_four))))
+
+
+def cycle_table(layers: int | None = None, rows=CYCLE_ROWS, routes=ROUTES, repeats: int = 10) -> dict:
+    """{copy_bytes_per_s, layers, context, results: [{route, rows, bill_bytes, limit_s, uncaptured_s,
+    graph_s, of_limit, ring_ok}]}."""
+    import cupy as cp
+
+    from engine.backend.cupy_model import GpuModel
+
+    copy = copy_bandwidth()
+    layers = layers or layers_that_fit()
+    c = geometry_27b(layers)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, c.vocab_size, CONTEXT)]
+    results = []
+    for route in routes:
+        model = GpuModel(random_device_model(c, route))
+        state = model.new_state()
+        model.forward(state, prompt)
+        for T in rows:
+            tokens = prompt[:T]
+
+            def uncaptured():
+                model.graphable = False
+                model.forward(state, tokens)
+                state.keep(1)
+
+            uncaptured_s = _median_seconds(uncaptured, repeats)
+            model.graphable = True
+            model.forward(state, tokens)  # captures this (T, attention grid) and replays it once
+            state.keep(1)
+            graph = model.cycle_graph(state, T)
+            if graph is None:
+                raise RuntimeError(f"the {route} cycle of {T} rows was not captured: {model.graph_error}")
+            stream = cp.cuda.get_current_stream()
+            pushed = int(state.ring_count.get()[0])
+            graph_s = _median_seconds(lambda: [graph.graph.launch(stream=stream) for _ in range(REPLAYS)], repeats) / REPLAYS
+            launches = 3 + repeats  # _median_seconds' warm-up calls and timed calls
+            ring_ok = int(state.ring_count.get()[0]) - pushed == launches * REPLAYS
+            bill = cycle_bill(c, T)
+            results.append({"route": route, "rows": T, "bill_bytes": bill, "limit_s": bill / copy,
+                            "uncaptured_s": uncaptured_s, "graph_s": graph_s, "of_limit": bill / copy / graph_s,
+                            "ring_ok": ring_ok})
+        del model, state, graph
+        cp.get_default_memory_pool().free_all_blocks()
+    return {"device": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
+            "copy_bytes_per_s": copy, "layers": layers, "context": CONTEXT, "results": results}
+
+
+def format_cycle_table(report: dict) -> str:
+    layers = report["layers"]
+    scope = ("all 64 layers" if layers == LAYERS_27B else
+             f"{layers} of its 64 layers (what this card holds; the bill is this model's, a full model's is "
+             f"~{LAYERS_27B / layers:.1f}x the decoder part)")
+    lines = [f"{report['device']}: decode cycle of a random INT4 model of the 27B geometry, {scope}; context "
+             f"{report['context']}, bf16 KV; limit = bill of bytes / copy {report['copy_bytes_per_s'] / 1e9:.0f} GB/s",
+             f"{'route':6} {'rows':>4} {'bill MB':>9} {'limit ms':>9} {'uncaptured ms':>14} {'graph ms':>9} {'of limit':>9} ring"]
+    for r in report["results"]:
+        lines.append(f"{r['route']:6} {r['rows']:4d} {r['bill_bytes'] / 1e6:9.1f} {r['limit_s'] * 1e3:9.3f} "
+                     f"{r['uncaptured_s'] * 1e3:14.3f} {r['graph_s'] * 1e3:9.3f} {r['of_limit']:9.0%} "
+                     f"{'ok' if r['ring_ok'] else 'WRONG'}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ command ---
+
+def add_gpu_command(benchmarks) -> None:
+    command = benchmarks.add_parser("gpu", help="W4 GEMVs and the decode cycle on the GPU against copy bandwidth, both routes")
+    add_arguments(command)
+    command.set_defaults(run=run_gpu_bench)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args(argv)
-    report = gemv_table(repeats=args.repeats)
-    print(json.dumps(report) if args.json else format_table(report))
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure; the median counts")
+    parser.add_argument("--layers", type=int, help="layers of the 27B geometry in the cycle model (default: what fits)")
+
+
+def run_gpu_bench(args: argparse.Namespace) -> int:
+    from engine.backend.select import backend_name
+    from engine.errors import DuetError
+
+    if backend_name("auto") != "cupy":
+        raise DuetError("duet bench gpu needs an NVIDIA GPU and CuPy (pip install 'duet[gpu]')")
+    gemv = gemv_table(repeats=args.repeats)
+    cycle = cycle_table(args.layers, repeats=args.repeats)
+    print(json.dumps({"gemv": gemv, "cycle": cycle}) if args.json else format_table(gemv) + "\n\n" + format_cycle_table(cycle))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.bench_gpu", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_gpu_bench(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -23,3 +23,26 @@ def test_table_has_one_line_per_weight_and_route():
     assert lines[0].startswith("GPU: device-to-device copy 4000 GB/s")
     assert len(lines) == 2 + 2 * len(bench_gpu.ROUTES)
     assert lines[-1].split()[:2] == ["b", "1024"] and "3600 ( 90%)" in lines[-1]
+
+
+def test_cycle_bill_is_the_seeds_27b_pass_plus_context_and_snapshots():
+    from engine.heads import RESCORE_CANDIDATES
+    from engine.placement import conv_state_bytes, deltanet_state_bytes
+
+    c = bench_gpu.geometry_27b(64)
+    assert c.layer_types.count("full_attention") == 16 and c.rotary_dim == 64
+    kv = 16 * bench_gpu.CONTEXT * 2 * 4 * 256 * 2  # bf16 keys and values of 16 attention layers
+    # REFERENCE.md section 6: 12.596 GB decoder + 0.656 GB int4 head + 0.302 GB DeltaNet state = 13.554 GB
+    assert abs(bench_gpu.cycle_bill(c, 1) - kv - 2 * conv_state_bytes(c) - 13.554e9) < 0.01e9
+    per_row = deltanet_state_bytes(c) + conv_state_bytes(c) + (1 + RESCORE_CANDIDATES) * 5120 * 2
+    assert bench_gpu.cycle_bill(c, 4) - bench_gpu.cycle_bill(c, 1) == 3 * per_row
+
+
+def test_cycle_table_says_how_much_of_the_model_ran():
+    result = {"route": "w4a16", "rows": 4, "bill_bytes": 3.4e9, "limit_s": 1e-3, "uncaptured_s": 5e-3,
+              "graph_s": 1.25e-3, "of_limit": 0.8, "ring_ok": True}
+    report = {"device": "GPU", "copy_bytes_per_s": 3.4e12, "layers": 16, "context": 512, "results": [result]}
+    lines = bench_gpu.format_cycle_table(report).splitlines()
+    assert "16 of its 64 layers" in lines[0] and "copy 3400 GB/s" in lines[0]
+    assert lines[2].split() == ["w4a16", "4", "3400.0", "1.000", "5.000", "1.250", "80%", "ok"]
+    assert "all 64 layers" in bench_gpu.format_cycle_table({**report, "layers": 64}).splitlines()[0]
