@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.bench_gpu import add_gpu_command
 from app.bench_trellis import add_trellis_command
 from app.bench_spec import add_spec_command
 from engine.checkpoint.hf import load_hf_model
@@ -57,6 +58,7 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     add_routes_command(benchmarks)
     add_spec_command(benchmarks)
     add_trellis_command(benchmarks)
+    add_gpu_command(benchmarks)
     from app.bench_heads import add_heads_command  # here: bench_heads reads this module's GEOMETRIES
 
     add_heads_command(benchmarks)
