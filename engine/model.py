@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from engine.backend.cpu import ROWWISE_MAX
 from engine.cache import DeltaNetState, KVCache, Q4KVCache, SequenceState
 from engine.config import FULL_ATTENTION, ModelConfig
 
 CHUNK = 64  # DeltaNet prefill chunk length, as transformers' torch_chunk_gated_delta_rule
+BLAS = ThreadpoolController()  # to run many small products on one BLAS thread (delta_rule_chunked)
 DECAY_FLOOR = -40.0  # e^-40 ~ 4e-18: nothing next to O(1) terms in fp32, yet far above denormals (< 1.2e-38)
 
 
@@ -176,7 +178,10 @@ class DeltaNet:
         if T <= ROWWISE_MAX:
             out = delta_rule_rows(q, k, v, beta, log_decay, state)
         else:
-            out = delta_rule_chunked(q, k, v, beta, log_decay, state)
+            # Hundreds of [64 x 128] products per layer: BLAS threads only wait on each other there
+            # (2.5 s against 0.02 s single-threaded for 128 tokens x 16 heads on two busy cores).
+            with BLAS.limit(limits=1, user_api="blas"):
+                out = delta_rule_chunked(q, k, v, beta, log_decay, state)
         z = self.in_z(x).reshape(T, hv, dv)
         out = rms_norm(out, self.norm, c.rms_norm_eps) * silu(z)
         return self.out_proj(out.reshape(T, hv * dv))
