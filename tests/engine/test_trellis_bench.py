@@ -35,6 +35,7 @@ def test_json_figures(monkeypatch, capsys):
     for k, rate in result["rates"].items():
         assert rate["shannon_mse"] == 2.0 ** (-2 * int(k))
         assert rate["shannon_mse"] < rate["trellis_mse"] < rate["lloyd_max_mse"]
+        assert rate["stream_mse"] <= rate["trellis_mse"]  # one 128-sample stream: a tile's circle is one of its paths
         assert rate["encoder_tiles_per_s"] > 0
 
 
@@ -44,4 +45,4 @@ def test_table(monkeypatch, capsys):
     monkeypatch.setattr(trellis, "SCALES", {k: (np.float32(trellis.STEPS[k]),) for k in trellis.RATES})
     assert main(["bench", "trellis"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "Lloyd-Max" in lines[1] and [line.split()[0] for line in lines[2:]] == ["2", "3", "4"]
+    assert "Lloyd-Max" in lines[1] and "stream" in lines[1] and [line.split()[0] for line in lines[2:]] == ["2", "3", "4"]
