@@ -125,7 +125,8 @@ def gpu_head(head, lm_head=None, lm_head_gpu=None):
 
 class Embedding:
     """The token table on the device: bf16 bits when every value is a bf16 (checkpoints store bf16;
-    the reader widened them to fp32 exactly), else fp32. Gathered rows come back fp32 [T, H]."""
+    the reader widened them to fp32 exactly), else fp32 (a GGUF table dequantized, as the CPU model's
+    row lookup dequantizes). Gathered rows come back fp32 [T, H]."""
 
     ROWS_AT_ONCE = 4096  # host rows checked and narrowed at a time (no full-size temporaries)
 
@@ -133,6 +134,8 @@ class Embedding:
         if isinstance(table, cp.ndarray):  # already on the device (a tied head's fp32 rows)
             self.table, self.bf16 = table, False
             return
+        if not isinstance(table, np.ndarray):  # a quantized table (GGUF token_embd): its exact fp32 values
+            table = table.dequantize()
         bits = np.ascontiguousarray(table, dtype=np.float32).view(np.uint32)
         blocks = range(0, bits.shape[0], self.ROWS_AT_ONCE)
         self.bf16 = not any(np.any(bits[i:i + self.ROWS_AT_ONCE] & 0xFFFF) for i in blocks)
