@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 9, on a fresh NVIDIA machine (RTX 3090 sm_86 or H100/H200 sm_90), in
-# under 8 minutes: install what is missing, run the GPU tests and the compile check, print the W4
-# GEMV bandwidth table (app/bench_gpu.py). Run from anywhere: bash scripts/gpu_check.sh
+# under 8 minutes: install what is missing, run the compile check and every GPU test (kernels
+# against the CPU numerics, the GPU model against the CPU engine, graphs against uncaptured
+# passes), print both tables of app/bench_gpu.py (W4 GEMV bandwidth; decode cycle against the bill
+# of bytes). Run from anywhere: bash scripts/gpu_check.sh
 #
 # Installs into the Python that runs it (PYTHON, default python3): an image that already has CuPy
 # keeps it. Only modules that are missing are installed: from PyPI, or with no network from wheels
-# in $WHEELS (default .whl in the repo root, e.g. made by `pip download` on a networked machine).
+# in $WHEELS (default .whl in the repo root), made on a networked machine for the GPU machine's
+# Python, e.g. for pure-Python ones:
+#   pip download --no-deps -d .whl gguf platformdirs pyyaml tqdm requests
+# (GPU machines of this project lack at least gguf and platformdirs; the tests need no torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -32,8 +37,12 @@ if [ -n "$missing" ]; then
 fi
 "$PY" -c "from engine.backend.select import backend_name; assert backend_name('auto') == 'cupy', 'no GPU or no CuPy'"
 
-echo "== compile check (sm_86, sm_90) and GPU tests"
-"$PY" -m pytest -q -s -p no:cacheprovider tests/engine/test_kernels_compile.py tests/engine/test_gpu_kernels.py
+unset DUET_BACKEND  # the GPU model is chosen because the GPU is there
 
-echo "== W4 GEMV bandwidth, both routes"
+echo "== compile check (sm_86, sm_90) and GPU tests"
+"$PY" -m pytest -q -s -p no:cacheprovider tests/engine/test_kernels_compile.py tests/engine/test_gpu_kernels.py \
+    tests/engine/test_gpu_model.py tests/app/test_bench_gpu.py
+
+echo "== W4 GEMV bandwidth and the decode cycle, both routes (tests took ${SECONDS}s)"
 "$PY" -m app.bench_gpu --repeats 10
+echo "== done in ${SECONDS}s"
