@@ -45,8 +45,10 @@ Chapters were split with seed {seed}: {held_out_chapters} chapters ({held_out_pe
 evaluation, the rest for training. Each chapter is read through as conversations of one to three turns:
 the user gives a verse, or the first words of one, and the assistant continues with the rest of that
 verse and up to three more. Half the conversations carry the empty `<think>\\n\\n</think>\\n\\n` block
-that `enable_thinking=false` adds. Conversations are rendered with `chat_template.jinja` and trained on
-whole (user turns are KJV too), so the model learns to end its turn with `<|im_end|>`.
+that `enable_thinking=false` adds; its `<think>` is never a training target, so the model does not open
+a think block by itself. Conversations are rendered with `chat_template.jinja`, prompt and reply
+tokenized apart as in a chat, and trained on whole (user turns are KJV too), so the model learns to end
+its turn with `<|im_end|>`.
 
 ## Training
 Joint training of model and MTP head from scratch, loss = CE(x_t+1) + {mtp_weight} * CE_MTP(x_t+2), the MTP
@@ -63,7 +65,7 @@ Final training loss (mean of the last 50 steps): {final_train_loss:.3f} (main), 
 ## Evaluation (held-out chapters, the bf16 weights of this folder, computed in fp32)
 | figure | value |
 |---|---|
-| held-out perplexity (every token of {held_out_tokens:,} in chat format) | **{held_out_ppl:.2f}** |
+| held-out perplexity ({held_out_tokens:,} tokens of chat text, all but the template's `<think>`) | **{held_out_ppl:.2f}** |
 | unigram perplexity, same tokens (add-one smoothed counts of the training split) | {unigram_ppl:.1f} |
 | MTP agreement: draft for x_t+2 = main model's greedy token at t+1, teacher-forced ({mtp_positions:,} positions) | **{mtp_agreement:.1%}** |
 | MTP acceptance on the model's own plain greedy replies to {greedy_prompts} held-out prompts ({greedy_positions:,} drafts; their loops are easy to draft) | {greedy_acceptance:.1%} |
@@ -76,12 +78,7 @@ falls into loops at this size):
 {samples}
 
 ## Limitations
-It writes KJV-flavoured sentences, not sense. Half of its training replies followed the empty think
-block, so after the plain generation prompt (`enable_thinking` unset) it opens most replies with
-`<think>\\n\\n</think>\\n\\n` itself; strip that block for display. Its training text was tokenized
-with prompt and reply joined, where the `\\n\\n` after `</think>` became two tokens; the prompt that
-`enable_thinking=false` renders ends in one `\\n\\n` token instead, and the model then writes
-another `</think>` before its reply.
+It writes KJV-flavoured sentences, not sense, and nothing but KJV.
 
 ## Reproduce
 ```

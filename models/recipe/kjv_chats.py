@@ -95,15 +95,16 @@ def load_template():
 
 
 def render_conversation(template, messages, enable_thinking):
-    """The text the model sees when it writes the last reply: history and prompt through the template,
-    then the reply and its <|im_end|>. enable_thinking=False adds the empty think block."""
+    """(prompt, reply) as the model meets them when it writes the last reply: history and generation
+    prompt through the template (enable_thinking=False adds the empty think block), then the reply and
+    its <|im_end|>. They are tokenized apart, as prompt and generated text are in a chat."""
     extra = {} if enable_thinking else {"enable_thinking": False}
     prompt = template.render(messages=messages[:-1], add_generation_prompt=True, **extra)
-    return prompt + messages[-1]["content"] + "<|im_end|>\n"
+    return prompt, messages[-1]["content"] + "<|im_end|>\n"
 
 
-def chat_texts(chapters, seed):
-    """Every chapter as rendered conversations, shuffled; half of them with the empty think block."""
+def chat_pairs(chapters, seed):
+    """Every chapter as rendered (prompt, reply) conversations, shuffled; half with the empty think block."""
     rng = random.Random(seed)
     template = load_template()
     conversations = [c for verses in chapters for c in chapter_conversations(verses, rng)]

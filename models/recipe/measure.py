@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, Qwen3_5ForCausalLM
 
 from mtp import MTPHead
+from training import trained_targets
 
 EVAL_BATCH = 16
 
@@ -33,26 +34,32 @@ def main_and_mtp_logits(model, mtp, batch):
     return model.lm_head(hidden), model.lm_head(drafted)
 
 
-def held_out_figures(model, mtp, windows):
-    """Mean NLL of every next token in the [N, L] windows, and the share of positions where the MTP
-    draft for x_{t+2} equals the main model's greedy token at t+1 (both teacher-forced)."""
+def held_out_figures(model, mtp, windows, think_id):
+    """Mean NLL of the next tokens in the [N, L] windows that training scores (all but the template's
+    `<think>`), and the share of positions where the MTP draft for x_{t+2} equals the main model's
+    greedy token at t+1 (both teacher-forced)."""
     nll, agree, n_tokens, n_drafts = 0.0, 0, 0, 0
     for batch in windows.split(EVAL_BATCH):
         main, drafted = main_and_mtp_logits(model, mtp, batch[:, :-1])
-        nll += F.cross_entropy(main.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+        targets = trained_targets(batch[:, 1:], think_id)
+        nll += F.cross_entropy(main.flatten(0, 1), targets.flatten(), reduction="sum").item()
         agree += (drafted.argmax(-1) == main[:, 1:].argmax(-1)).sum().item()
-        n_tokens += batch[:, 1:].numel()
+        n_tokens += (targets >= 0).sum().item()
         n_drafts += drafted.shape[0] * drafted.shape[1]
     return {"held_out_nll": nll / n_tokens, "held_out_ppl": math.exp(nll / n_tokens),
             "held_out_tokens": n_tokens, "mtp_agreement": agree / n_drafts, "mtp_positions": n_drafts}
 
 
-def unigram_perplexity(train_windows, windows, vocab_size):
-    """Perplexity of the tokens the model predicts in `windows` under add-one smoothed unigram counts
-    of the training windows' tokens (same tokenizer)."""
-    counts = np.bincount(train_windows[:, 1:].flatten().numpy(), minlength=vocab_size) + 1
+def unigram_perplexity(train_windows, windows, vocab_size, think_id):
+    """Perplexity of the same held-out targets under add-one smoothed unigram counts of the training
+    windows' targets (same tokenizer)."""
+    def targets(w):
+        t = trained_targets(w[:, 1:], think_id).flatten().numpy()
+        return t[t >= 0]
+
+    counts = np.bincount(targets(train_windows), minlength=vocab_size) + 1
     log_p = np.log(counts / counts.sum())
-    return math.exp(-log_p[windows[:, 1:].flatten().numpy()].mean())
+    return math.exp(-log_p[targets(windows)].mean())
 
 
 def greedy_reply(model, tokenizer, prompt, max_new_tokens, repetition_penalty=1.0):

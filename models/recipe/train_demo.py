@@ -21,10 +21,10 @@ import torch
 from safetensors import safe_open
 
 import measure
-from bpe import save_tokenizer, train_tokenizer
+from bpe import THINK_OPEN, save_tokenizer, train_tokenizer
 from card import render_card
 from export import write_checkpoint
-from kjv_chats import TEMPLATE_PATH, chat_texts, package_versions, read_chapters, split_chapters
+from kjv_chats import TEMPLATE_PATH, chat_pairs, package_versions, read_chapters, split_chapters
 from training import MTP_LOSS_WEIGHT, conversation_windows, demo_config, train
 
 VOCAB_SIZE = 4096
@@ -84,13 +84,13 @@ def architecture_facts(config):
     }
 
 
-def measure_exported(out_dir, train_windows, held_out_windows, held_out_chapters):
+def measure_exported(out_dir, train_windows, held_out_windows, held_out_chapters, think_id):
     """Held-out perplexity, unigram baseline, MTP agreement and acceptance, and samples, all from the
     written files."""
     model, mtp, tokenizer = measure.load_exported(out_dir)
-    facts = measure.held_out_figures(model, mtp, held_out_windows)
+    facts = measure.held_out_figures(model, mtp, held_out_windows, think_id)
     vocab_size = model.config.vocab_size
-    facts["unigram_ppl"] = measure.unigram_perplexity(train_windows, held_out_windows, vocab_size)
+    facts["unigram_ppl"] = measure.unigram_perplexity(train_windows, held_out_windows, vocab_size, think_id)
     prompts = measure.sample_prompts(held_out_chapters, GREEDY_PROMPTS)
     hits = drafts = 0
     for prompt in prompts:
@@ -149,10 +149,10 @@ def main():
 
     chapters = read_chapters()
     train_chapters, held_out_chapters = split_chapters(chapters, HELD_OUT_FRACTION, args.seed)
-    train_texts = chat_texts(train_chapters, args.seed)
-    tokenizer = train_tokenizer(train_texts, VOCAB_SIZE)
-    train_windows = conversation_windows(tokenizer, train_texts, args.length)
-    held_out_windows = conversation_windows(tokenizer, chat_texts(held_out_chapters, args.seed), args.length)
+    train_pairs = chat_pairs(train_chapters, args.seed)
+    tokenizer = train_tokenizer([prompt + reply for prompt, reply in train_pairs], VOCAB_SIZE)
+    train_windows = conversation_windows(tokenizer, train_pairs, args.length)
+    held_out_windows = conversation_windows(tokenizer, chat_pairs(held_out_chapters, args.seed), args.length)
     log(f"{len(train_chapters)} training chapters ({train_windows[:, 1:].numel():,} tokens), "
         f"{len(held_out_chapters)} held out ({held_out_windows[:, 1:].numel():,})")
 
@@ -162,7 +162,8 @@ def main():
     write_checkpoint(model, mtp, args.out)
     save_tokenizer(tokenizer, args.out, MAX_POSITIONS, TEMPLATE_PATH.read_text())
 
-    facts = measure_exported(args.out, train_windows, held_out_windows, held_out_chapters)
+    think_id = tokenizer.token_to_id(THINK_OPEN)
+    facts = measure_exported(args.out, train_windows, held_out_windows, held_out_chapters, think_id)
     facts |= run_facts(args, chapters, held_out_chapters, train_windows, model, mtp, record)
     facts |= {
         "total_minutes": (time.perf_counter() - started) / 60,

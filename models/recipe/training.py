@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from bpe import END_OF_TEXT, IM_END
-from kjv_chats import chat_texts
+from bpe import END_OF_TEXT, IM_END, THINK_OPEN
+from kjv_chats import chat_pairs
 from mtp import MTPHead
 
 MTP_LOSS_WEIGHT = 0.5
@@ -48,10 +48,19 @@ def demo_config(tokenizer, max_positions):
     )
 
 
-def conversation_windows(tokenizer, texts, length):
+def conversation_ids(tokenizer, pairs):
+    """One int64 id array per conversation: prompt and reply encoded apart, then joined. Encoded as one
+    string, the `\\n\\n` that ends the enable_thinking=false prompt would merge differently with the
+    reply's first characters than it does when the prompt is encoded alone at chat time."""
+    prompts = tokenizer.encode_batch([p for p, _ in pairs])
+    replies = tokenizer.encode_batch([r for _, r in pairs])
+    return [np.asarray(p.ids + r.ids, dtype=np.int64) for p, r in zip(prompts, replies)]
+
+
+def conversation_windows(tokenizer, pairs, length):
     """[N, length] int64 windows cut back to back from the concatenated conversations; neighbours share
     one token so that every token is a target once. Conversations start anywhere in a window."""
-    stream = np.concatenate([np.asarray(e.ids, dtype=np.int64) for e in tokenizer.encode_batch(texts)])
+    stream = np.concatenate(conversation_ids(tokenizer, pairs))
     n = (len(stream) - 1) // (length - 1)
     starts = np.arange(n)[:, None] * (length - 1)
     return torch.from_numpy(stream[starts + np.arange(length)])  # [N, length]
@@ -60,21 +69,28 @@ def conversation_windows(tokenizer, texts, length):
 def training_batches(tokenizer, chapters, seed, batch_size, length):
     """Endless [batch_size, length] batches; every epoch draws fresh conversation cuts and order."""
     for epoch in itertools.count():
-        windows = conversation_windows(tokenizer, chat_texts(chapters, seed + 1 + epoch), length)
+        windows = conversation_windows(tokenizer, chat_pairs(chapters, seed + 1 + epoch), length)
         for i in range(0, len(windows) - batch_size + 1, batch_size):
             yield windows[i : i + batch_size]
 
 
-def joint_losses(model, mtp, batch):
+def trained_targets(batch, think_id):
+    """The batch as targets, `<think>` ignored (-100). The template writes the empty think block into
+    the prompt when enable_thinking is false; trained on, the model would open one by itself after
+    half of the plain generation prompts."""
+    return batch.masked_fill(batch == think_id, -100)
+
+
+def joint_losses(model, mtp, batch, think_id):
     """(main CE of x_{t+1}, MTP CE of x_{t+2}) on a [B, L] batch. The MTP row at index t reads h_t and
     embed(x_{t+1}) at position t+1; gradients flow from both losses into the shared trunk."""
-    inputs = batch[:, :-1]  # [B, T], T = L - 1
+    inputs, targets = batch[:, :-1], trained_targets(batch, think_id)  # inputs [B, T], T = L - 1
     hidden = model.model(input_ids=inputs).last_hidden_state  # post final norm, [B, T, H]
-    main_loss = F.cross_entropy(model.lm_head(hidden).flatten(0, 1), batch[:, 1:].flatten())
+    main_loss = F.cross_entropy(model.lm_head(hidden).flatten(0, 1), targets[:, 1:].flatten())
     next_tokens = batch[:, 1:-1]  # x_{t+1} for t = 0 .. T-2
     positions = torch.arange(1, inputs.shape[1]).expand(batch.shape[0], -1)
     drafted = mtp(model.model.embed_tokens(next_tokens), hidden[:, :-1], positions)
-    mtp_loss = F.cross_entropy(model.lm_head(drafted).flatten(0, 1), batch[:, 2:].flatten())
+    mtp_loss = F.cross_entropy(model.lm_head(drafted).flatten(0, 1), targets[:, 2:].flatten())
     return main_loss, mtp_loss
 
 
@@ -109,12 +125,13 @@ def train(config, tokenizer, chapters, *, seed, steps, batch_size, length, lr, l
     optimizer = adamw(params, lr, weight_decay=0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(max(1, steps // 25), steps, 0.1))
     batches = training_batches(tokenizer, chapters, seed, batch_size, length)
+    think_id = tokenizer.token_to_id(THINK_OPEN)
     model.train(), mtp.train()
     history, started, cpu_started = [], time.perf_counter(), time.process_time()
     for step in range(steps):
         # bf16 matmuls (AMX on this CPU, ~1.6x faster than fp32), fp32 weights, optimizer and losses
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            main_loss, mtp_loss = joint_losses(model, mtp, next(batches))
+            main_loss, mtp_loss = joint_losses(model, mtp, next(batches), think_id)
         (main_loss + MTP_LOSS_WEIGHT * mtp_loss).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step(), schedule.step(), optimizer.zero_grad(set_to_none=True)

@@ -9,6 +9,7 @@ import signal
 import struct
 import subprocess
 import sys
+from pathlib import Path
 import time
 
 import pytest
@@ -159,7 +160,8 @@ def test_bad_argument_is_one_line(capsys):
 
 
 def duet_command() -> list[str]:
-    script = shutil.which("duet")
+    """The console script installed beside the running Python (the test venv's), not another on PATH."""
+    script = shutil.which("duet", path=str(Path(sys.executable).parent))
     return [script] if script else [sys.executable, "-m", "app.cli"]
 
 
