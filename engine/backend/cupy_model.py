@@ -39,6 +39,7 @@ from engine.backend import cpu
 from engine.backend import cupy_backend as gb
 from engine.backend.cupy_backend import ATTENTION_CHUNK, MAX_ROWS
 from engine.heads import ShortlistHead
+from engine.kernels.build import kernel
 
 KV_CAPACITY = 256  # rows an attention cache starts with (it doubles as a sequence grows), as engine.cache
 RING_SLOTS = 64  # captured cycles whose greedy ids stay readable in state.ring
@@ -149,7 +150,7 @@ class Embedding:
 
     def __call__(self, ids: cp.ndarray) -> cp.ndarray:
         rows = self.table[ids]  # [T, H]
-        return (rows.astype(cp.uint32) << 16).view(cp.float32) if self.bf16 else rows
+        return (rows.astype(cp.uint32) << cp.uint32(16)).view(cp.float32) if self.bf16 else rows
 
 
 # -------------------------------------------------------------------------------- rows ---
@@ -374,6 +375,7 @@ class GpuModel:
         self.layers = self.lm_head = self.draft_head = self.embed = self.mtp = self._last_graph = None
         self._load(other)
         self.version += 1
+        self.warm = set()  # the new route's kernels have not run yet
 
     def new_state(self, kv: str = "full") -> GpuState:
         return GpuState([layer.mixer.new_cache(kv) for layer in self.layers])
@@ -468,6 +470,8 @@ class CycleGraph:
     def __init__(self, model: GpuModel, state: GpuState, T: int, past: int):
         self.pool = cp.cuda.MemoryPool()
         stream = cp.cuda.Stream(non_blocking=True)
+        for name in ("argmax_rows", "ring_push"):  # the one module only the graph uses: loaded before capture
+            kernel("sampling", name)
         with cp.cuda.using_allocator(self.pool.malloc), stream:
             stream.begin_capture()
             try:
