@@ -81,6 +81,15 @@ async def send(pilot, text: str) -> ChatScreen:
     return screen
 
 
+async def start_streaming(pilot, text: str = "the lazy dog") -> ChatScreen:
+    """Send a message and return once its reply has started streaming."""
+    screen = await loaded(pilot)
+    screen.query_one("#prompt", Input).value = text
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: screen.streaming and screen.reply_view.text)
+    return screen
+
+
 def saved_messages(app):
     store = Store(app.paths.database)
     conversations = store.conversations()
@@ -315,10 +324,7 @@ async def test_key_bindings_can_be_remapped_in_the_config(make_app):
 async def test_quitting_mid_reply_keeps_it_marked_stopped(make_app, endless_model):
     app = make_app(Config(max_tokens=4000), model=endless_model)
     async with app.run_test(size=SIZE) as pilot:
-        screen = await loaded(pilot)
-        screen.query_one("#prompt", Input).value = "the lazy dog"
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.streaming and screen.reply_view.text)
+        screen = await start_streaming(pilot)
         await pilot.press("ctrl+q")
     reply = saved_messages(app)[-1]
     assert reply.role == "assistant" and reply.stopped
@@ -352,10 +358,7 @@ async def test_switching_route_and_rule_while_a_reply_streams_applies_from_the_n
     assert main(["convert", str(endless_model), str(int4), "--format", "int4"]) == 0
     app = make_app(Config(max_tokens=4000), model=int4)
     async with app.run_test(size=SIZE) as pilot:
-        screen = await loaded(pilot)
-        screen.query_one("#prompt", Input).value = "the lazy dog"
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.streaming and screen.reply_view.text)
+        screen = await start_streaming(pilot)
         await pilot.press("ctrl+t")  # first, so the pass that takes the new route also runs the new rule
         screen.query_one("#route", Select).value = "w4a8"
         await wait_for(pilot, lambda: screen.lm.route == "w4a8")
