@@ -201,7 +201,8 @@ def random_device_model(c, route: str, seed: int = 0):
         else:
             d, hv = p + "linear_attn.", c.linear_num_value_heads
             small = lambda: cpu.DenseLinear(rng.standard_normal((hv, c.hidden_size)).astype(np.float32) * 0.01)  # noqa: E731
-            mixer = m.DeltaNet(linear(w[d + "in_proj_qkv"]), linear(w[d + "in_proj_z"]), small(), small(),
+            in_proj = cpu.ConcatOutputs([linear(w[d + "in_proj_qkv"]), linear(w[d + "in_proj_z"]), small(), small()])
+            mixer = m.DeltaNet(in_proj,
                                rng.standard_normal((w[d + "in_proj_qkv"].shape[0], c.linear_conv_kernel_dim)).astype(np.float32),
                                -np.exp(rng.uniform(0, 2.5, hv)).astype(np.float32), ones(hv), ones(c.linear_value_head_dim),
                                linear(w[d + "out_proj"]), c)

@@ -146,10 +146,9 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, past: int) -> np
 
 @dataclass
 class DeltaNet:
-    in_qkv: object  # Linear [2 * Hk * dk + Hv * dv, H]: q | k | v, heads contiguous
-    in_z: object  # [Hv * dv, H]
-    in_b: object  # [Hv, H]
-    in_a: object  # [Hv, H]
+    # One Linear over the four input projections stacked by rows, so prefill runs one GEMM, not four:
+    # [2 * Hk * dk + Hv * dv | Hv * dv | Hv | Hv, H] = q | k | v (heads contiguous) | z | b | a
+    in_proj: object
     conv: np.ndarray  # depthwise taps [channels, kernel], oldest input first
     decay_rate: np.ndarray  # -exp(A_log), [Hv]
     dt_bias: np.ndarray  # [Hv]
@@ -166,12 +165,15 @@ class DeltaNet:
         c = self.config
         T = x.shape[0]
         hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        mixed = causal_conv(self.in_qkv(x), self.conv, state)
+        channels = 2 * hk * dk + hv * dv
+        projected = self.in_proj(x)
+        mixed = causal_conv(projected[:, :channels], self.conv, state)
         q = mixed[:, : hk * dk].reshape(T, hk, dk)
         k = mixed[:, hk * dk : 2 * hk * dk].reshape(T, hk, dk)
         v = mixed[:, 2 * hk * dk :].reshape(T, hv, dv)
-        beta = sigmoid(self.in_b(x))  # [T, Hv]
-        log_decay = self.decay_rate * softplus(self.in_a(x) + self.dt_bias)  # g <= 0, [T, Hv]
+        z = projected[:, channels : channels + hv * dv].reshape(T, hv, dv)
+        beta = sigmoid(projected[:, -2 * hv : -hv])  # [T, Hv]
+        log_decay = self.decay_rate * softplus(projected[:, -hv:] + self.dt_bias)  # g <= 0, [T, Hv]
         # Value head h reads key head h // (Hv / Hk): repeat each key head, not tile.
         q = np.repeat(l2_normalize(q), hv // hk, axis=1) * dk**-0.5
         k = np.repeat(l2_normalize(k), hv // hk, axis=1)
@@ -182,7 +184,6 @@ class DeltaNet:
             # (2.5 s against 0.02 s single-threaded for 128 tokens x 16 heads on two busy cores).
             with BLAS.limit(limits=1, user_api="blas"):
                 out = delta_rule_chunked(q, k, v, beta, log_decay, state)
-        z = self.in_z(x).reshape(T, hv, dv)
         out = rms_norm(out, self.norm, c.rms_norm_eps) * silu(z)
         return self.out_proj(out.reshape(T, hv * dv))
 

@@ -214,8 +214,7 @@ class DeltaNet:
 
     def __init__(self, d: cpu_model.DeltaNet):
         self.config = d.config
-        self.in_qkv, self.in_z, self.in_b, self.in_a, self.out_proj = (
-            gpu_linear(p) for p in (d.in_qkv, d.in_z, d.in_b, d.in_a, d.out_proj))
+        self.in_proj, self.out_proj = gpu_linear(d.in_proj), gpu_linear(d.out_proj)
         self.conv = _dev(d.conv)  # [channels, kernel]
         self.decay_rate, self.dt_bias, self.norm = _dev(d.decay_rate), _dev(d.dt_bias), _dev(d.norm)
 
@@ -228,8 +227,11 @@ class DeltaNet:
         c = self.config
         T = x.shape[0]
         hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        mixed = self.in_qkv(x)  # [T, channels]: q | k | v
-        b, a = self.in_b(x), self.in_a(x)  # [T, Hv] each
+        channels = 2 * hk * dk + hv * dv
+        projected = self.in_proj(x)  # [T, channels + Hv * dv + 2 Hv]: q | k | v | z | b | a
+        mixed = cp.ascontiguousarray(projected[:, :channels])
+        z = cp.ascontiguousarray(projected[:, channels : channels + hv * dv]).reshape(T * hv, dv)
+        b, a = cp.ascontiguousarray(projected[:, -2 * hv : -hv]), cp.ascontiguousarray(projected[:, -hv:])  # [T, Hv]
         out = cp.empty((T, hv, dv), cp.float32)
         for piece, _, _ in rows.slices():
             conv = gb.causal_conv(mixed[piece], self.conv, state)  # [t, channels] after SiLU
@@ -237,7 +239,6 @@ class DeltaNet:
             k = gb.l2_norm_heads(conv, hk, dk, 1.0, offset=hk * dk)
             v = conv[:, 2 * hk * dk:].reshape(-1, hv, dv)
             out[piece] = gb.delta_rule_rows(q, k, v, b[piece], a[piece], self.decay_rate, self.dt_bias, state)
-        z = self.in_z(x).reshape(T * hv, dv)
         normed = gb.gated_rms_norm(out.reshape(T * hv, dv), z, self.norm, c.rms_norm_eps)
         return self.out_proj(normed.reshape(T, hv * dv))
 

@@ -200,11 +200,19 @@ class Weights:
     def __call__(self, key: str) -> np.ndarray:
         return self.tensors[self.plan.name(key)]
 
-    def linear(self, *keys: str, expert: int | None = None, rows: np.ndarray | None = None):
-        """The matrices of keys stacked by rows, of one expert of a fused tensor, or some of its rows."""
-        parts = [self(key) if expert is None else self(key)[expert] for key in keys]
-        if rows is not None:  # indices, or a slice (a view of float weights)
-            parts = [p[rows] if isinstance(p, np.ndarray) else p.take_rows(np.arange(p.shape[0])[rows]) for p in parts]
+    def part(self, key: str, expert: int | None = None, rows: np.ndarray | slice | None = None):
+        """A matrix, that of one expert of a fused tensor, or some of its rows (indices, or a slice:
+        a view of float weights)."""
+        matrix = self(key) if expert is None else self(key)[expert]
+        if rows is None:
+            return matrix
+        return matrix[rows] if isinstance(matrix, np.ndarray) else matrix.take_rows(np.arange(matrix.shape[0])[rows])
+
+    def linear(self, *keys: str, expert: int | None = None, rows: np.ndarray | slice | None = None):
+        """One Linear over the matrices of keys stacked by rows (each as `part` takes it)."""
+        return self.stack([self.part(key, expert, rows) for key in keys])
+
+    def stack(self, parts: list):
         return stacked_linear(parts, self.route)
 
 
@@ -268,16 +276,12 @@ def _deltanet(c: ModelConfig, get, p: str) -> DeltaNet:
     if c.fused_linear_projections:
         (qkv_rows, z_rows), (b_rows, a_rows) = _qwen3_next_rows(c)
         qkvz, ba = p + "in_proj_qkvz.weight", p + "in_proj_ba.weight"
-        qkv, z = get.linear(qkvz, rows=qkv_rows), get.linear(qkvz, rows=z_rows)
-        b, a = get.linear(ba, rows=b_rows), get.linear(ba, rows=a_rows)
+        in_proj = get.stack([get.part(qkvz, rows=qkv_rows), get.part(qkvz, rows=z_rows),
+                             get.part(ba, rows=b_rows), get.part(ba, rows=a_rows)])
     else:
-        qkv, z = get.linear(p + "in_proj_qkv.weight"), get.linear(p + "in_proj_z.weight")
-        b, a = get.linear(p + "in_proj_b.weight"), get.linear(p + "in_proj_a.weight")
+        in_proj = get.linear(*(f"{p}in_proj_{name}.weight" for name in ("qkv", "z", "b", "a")))
     return DeltaNet(
-        in_qkv=qkv,
-        in_z=z,
-        in_b=b,
-        in_a=a,
+        in_proj=in_proj,
         conv=get(p + "conv1d.weight")[:, 0, :],
         decay_rate=-np.exp(get(p + "A_log")),
         dt_bias=get(p + "dt_bias"),

@@ -240,3 +240,18 @@ def test_a_row_does_not_depend_on_how_many_rows_came_with_it(w4, linear_type):
 def test_bf16_route_runs_the_exact_dequantized_weights(w4):
     x = np.random.default_rng(15).standard_normal((3, K)).astype(np.float32)
     assert np.array_equal(DenseLinear(w4.dequantize())(x), np.stack([row @ w4.dequantize().T for row in x]))
+
+
+def test_stacked_parts_merge_by_runs_of_one_storage_form():
+    """q | k | v | z in W4 and b | a in float (an INT4 DeltaNet): two matrices, not four, same outputs."""
+    from engine.backend.cpu import ConcatOutputs, stacked_linear
+
+    rng = np.random.default_rng(3)
+    w4 = [quantize_rtn(rng.standard_normal((n, 256)).astype(np.float32)) for n in (48, 16)]
+    dense = [rng.standard_normal((4, 256)).astype(np.float32) for _ in range(2)]
+    linear = stacked_linear([*w4, *dense], "w4a16")
+    assert isinstance(linear, ConcatOutputs) and [type(p) for p in linear.parts] == [W4A16Linear, DenseLinear]
+    assert linear.shape == (72, 256)
+    x = rng.standard_normal((20, 256)).astype(np.float32)
+    separate = np.concatenate([W4A16Linear(w)(x) for w in w4] + [DenseLinear(d)(x) for d in dense], axis=-1)
+    np.testing.assert_allclose(linear(x), separate, rtol=1e-5, atol=1e-5)  # one GEMM's summation order

@@ -17,7 +17,7 @@ from app.cli import main
 from app.convert import write_safetensors
 from conftest import build_reference, moe_fields, randomize, save_reference, tiny_text_config
 from engine import load_model
-from engine.backend.cpu import ROWWISE_MAX, TrellisLinear, stacked_linear
+from engine.backend.cpu import ROWWISE_MAX, DenseLinear, TrellisLinear, stacked_linear
 from engine.checkpoint.safetensors import SafetensorsFile
 from engine.quant import trellis
 from test_routes import decode, mean_kl
@@ -145,12 +145,13 @@ def test_qwen3_next_fused_projections_convert_and_run(next_trellis):
     assert "model.layers.0.linear_attn.in_proj_ba.weight" in file.tensors  # kept 16-bit
     lm, reference = load_model(coded), load_model(source)
     assert lm.route == "w4a8"
-    # The split regroups qkvz's rows per key head; each part must hold the source's rows.
-    for part in ("in_qkv", "in_z"):
-        ours, theirs = getattr(lm.model.layers[0].mixer, part), getattr(reference.model.layers[0].mixer, part)
-        assert isinstance(ours, TrellisLinear)
-        w, expected = ours.weight.dequantize(), theirs.weight
-        assert np.mean((w - expected) ** 2) < 0.15 * np.mean(expected ** 2)  # 2-bit coding error, ~7%
+    # The split regroups qkvz's rows per key head into q | k | v | z, which must hold the source's
+    # rows; the 16-bit b | a rows run beside them.
+    coded_rows, float_rows = lm.model.layers[0].mixer.in_proj.parts
+    assert isinstance(coded_rows, TrellisLinear) and isinstance(float_rows, DenseLinear)
+    w = coded_rows.weight.dequantize()
+    expected = reference.model.layers[0].mixer.in_proj.weight[: w.shape[0]]
+    assert np.mean((w - expected) ** 2) < 0.15 * np.mean(expected ** 2)  # 2-bit coding error, ~7%
     expected = decode(reference, PROMPT)
     forced = [int(t) for t in expected.argmax(axis=-1)]
     on_w4a8 = decode(lm, PROMPT, forced)
