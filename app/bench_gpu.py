@@ -84,7 +84,8 @@ def gemv_table(shapes=SHAPES, rows=ROWS, routes=ROUTES, repeats: int = 20) -> di
     """{copy_bytes_per_s, rows, results: [{name, N, K, weight_bytes, route, rows, bytes_per_s, of_copy}]}."""
     import cupy as cp
 
-    from engine.backend import cupy_backend
+    from engine.backend import cpu
+    from engine.backend.cupy_model import gpu_linear
 
     copy = copy_bandwidth()
     rng = np.random.default_rng(0)
@@ -93,7 +94,7 @@ def gemv_table(shapes=SHAPES, rows=ROWS, routes=ROUTES, repeats: int = 20) -> di
         weight = random_w4(N, K, rng)
         copies = max(1, -(-ROTATION_BYTES // weight.nbytes))
         for route in routes:
-            linears = [cupy_backend.make_linear(weight, route) for _ in range(copies)]
+            linears = [gpu_linear(cpu.make_linear(weight, route)) for _ in range(copies)]
             for T in rows:
                 x = cp.asarray(rng.standard_normal((T, K)).astype(np.float32))
                 turn = iter(range(1 << 62))

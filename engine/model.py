@@ -15,7 +15,7 @@ from threadpoolctl import ThreadpoolController
 
 from engine.backend.cpu import ROWWISE_MAX
 from engine.cache import DeltaNetState, KVCache, Q4KVCache, SequenceState
-from engine.config import FULL_ATTENTION, ModelConfig
+from engine.config import ModelConfig
 
 CHUNK = 64  # DeltaNet prefill chunk length, as transformers' torch_chunk_gated_delta_rule
 BLAS = ThreadpoolController()  # to run many small products on one BLAS thread (delta_rule_chunked)

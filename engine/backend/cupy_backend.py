@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.cache import Q4_GROUP, RECENT_ROWS, SINK_ROWS
-from engine.backend.cpu import ROWWISE_MAX, InputOrder
+from engine.backend.cpu import ROWWISE_MAX
 from engine.kernels.build import kernel
 from engine.quant.activation import ACT_BLOCK
 from engine.quant.gguf_blocks import BlockMatrix
@@ -228,23 +228,6 @@ class PermutedInput:
 
     def __call__(self, x) -> cp.ndarray:
         return self.linear(_device_f32(x)[:, self.order])
-
-
-def make_linear(weight, route: str):
-    """The route's GPU Linear for a weight; the same dispatch as engine.backend.cpu.make_linear."""
-    if isinstance(weight, InputOrder):
-        return PermutedInput(make_linear(weight.weight, route), weight.order)
-    if isinstance(weight, np.ndarray):
-        return DenseLinear(weight)
-    if route == "bf16":
-        return DenseLinear(weight.dequantize())
-    if route == "w4a16" and isinstance(weight, W4Weight):
-        return W4A16Linear(weight)
-    if route == "w4a8" and isinstance(weight, TrellisWeight):
-        return TrellisLinear(weight)
-    if route == "w4a8":
-        return W4A8Linear(weight)
-    raise ValueError(f"route {route} cannot run {type(weight).__name__}")
 
 
 # --------------------------------------------------------------------------- row ops ---

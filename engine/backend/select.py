@@ -40,17 +40,6 @@ def backend_name(requested: str = "auto") -> str:
     return "cupy" if usable else "cpu"
 
 
-def make_linear(weight, route: str, backend: str):
-    """The route's Linear on the chosen backend (same interface: x [T, K] -> [T, N])."""
-    if backend == "cupy":
-        from engine.backend import cupy_backend
-
-        return cupy_backend.make_linear(weight, route)
-    from engine.backend import cpu
-
-    return cpu.make_linear(weight, route)
-
-
 def gpu_geometry_problem(config) -> str | None:
     """Why our GPU kernels cannot run a model of this geometry (one line), or None when they can."""
     if config.head_dim not in (64, 128, 256):

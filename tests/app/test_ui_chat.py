@@ -324,7 +324,7 @@ async def test_key_bindings_can_be_remapped_in_the_config(make_app):
 async def test_quitting_mid_reply_keeps_it_marked_stopped(make_app, endless_model):
     app = make_app(Config(max_tokens=4000), model=endless_model)
     async with app.run_test(size=SIZE) as pilot:
-        screen = await start_streaming(pilot)
+        await start_streaming(pilot)
         await pilot.press("ctrl+q")
     reply = saved_messages(app)[-1]
     assert reply.role == "assistant" and reply.stopped

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import build_reference, save_reference
-from engine import DuetError, Finished, GenerateOptions, SamplingParams, Tokens, generate, load_model
+from engine import GenerateOptions, SamplingParams, Tokens, generate, load_model
 from engine.sampling import Sampler
 from engine.speculative import LOSSY, Draft, MTPDrafter, NoDrafter, accept
 
