@@ -233,9 +233,10 @@ def delta_rule_chunked(q, k, v, beta, log_decay, state: DeltaNetState) -> np.nda
     pad = (-T) % CHUNK
     n = (T + pad) // CHUNK
 
-    def chunks(a):  # [T, Hv, ...] -> [Hv, n, CHUNK, ...]
-        a = np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
-        return np.moveaxis(a.reshape(n, CHUNK, hv, *a.shape[2:]), 2, 0)
+    def chunks(a):  # [T, Hv, ...] -> [Hv, n, CHUNK, ...], contiguous so every op after it runs unstrided
+        if pad:
+            a = np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        return np.ascontiguousarray(np.moveaxis(a.reshape(n, CHUNK, hv, *a.shape[2:]), 2, 0))
 
     q, k, v, beta, g = chunks(q), chunks(k), chunks(v), chunks(beta), chunks(log_decay)
     G = np.cumsum(g, axis=-1)  # [Hv, n, C]
