@@ -39,7 +39,7 @@ class DenseLinear:
         if x.shape[0] <= ROWWISE_MAX:
             return np.stack([row @ self.weight.T for row in x])
         # Which operand order OpenBLAS runs faster depends on the weight's shape: x @ W^T for wide
-        # outputs (N >= 2K: gate/up, q, in_qkv), W @ x^T for long inputs (down, out_proj), copied
+        # outputs (N >= 2K: gate/up, q, the DeltaNet in_proj), W @ x^T for long inputs (down, out_proj), copied
         # back to row-major because the norms and elementwise ops after it run strided otherwise.
         # On the 0.8B geometry, 128-token prefill at 2 threads: 72 tok/s with W @ x^T everywhere,
         # 102 with this split (best of 8, interleaved, idle machine).
