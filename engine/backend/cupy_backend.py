@@ -49,6 +49,15 @@ def _row_slices(T: int):
     return [slice(s, min(T, s + MAX_ROWS)) for s in range(0, T, MAX_ROWS)]
 
 
+def _by_row_slices(x, N: int, run_rows) -> cp.ndarray:
+    """y [T, N] from run_rows(x[rows]) [t, N] over slices of at most MAX_ROWS rows of x [T, K]."""
+    x = _device_f32(x)
+    out = cp.empty((x.shape[0], N), cp.float32)
+    for rows in _row_slices(x.shape[0]):
+        out[rows] = run_rows(x[rows])
+    return out
+
+
 def _blocks(n: int, per: int) -> int:
     return (n + per - 1) // per
 
@@ -95,11 +104,7 @@ class W4A16Linear:
         return self.N, self.K
 
     def __call__(self, x) -> cp.ndarray:
-        x = _device_f32(x)
-        out = cp.empty((x.shape[0], self.N), cp.float32)
-        for rows in _row_slices(x.shape[0]):
-            out[rows] = self.run_rows(x[rows])
-        return out
+        return _by_row_slices(x, self.N, self.run_rows)
 
     def run_rows(self, x: cp.ndarray) -> cp.ndarray:
         T = x.shape[0]
@@ -161,16 +166,15 @@ class W4A8Linear:
         return self.N, self.K
 
     def __call__(self, x) -> cp.ndarray:
-        x = _device_f32(x)
-        out = cp.empty((x.shape[0], self.N), cp.float32)
-        for rows in _row_slices(x.shape[0]):
-            q, scale = quantize_int8(x[rows])
-            T = q.shape[0]
-            part = cp.empty((T, self.N), cp.float32)
-            kernel("w4a8", f"int8_gemv_{self.codec}")(
-                (_blocks(self.N, 8),), (256,),
-                (self.weights, self.scales, _i64(self.row_bytes), q, scale, part, _i32(self.N), _i32(self.K), _i32(T)))
-            out[rows] = part
+        return _by_row_slices(x, self.N, self._rows)
+
+    def _rows(self, x: cp.ndarray) -> cp.ndarray:
+        q, scale = quantize_int8(x)
+        T = q.shape[0]
+        out = cp.empty((T, self.N), cp.float32)
+        kernel("w4a8", f"int8_gemv_{self.codec}")(
+            (_blocks(self.N, 8),), (256,),
+            (self.weights, self.scales, _i64(self.row_bytes), q, scale, out, _i32(self.N), _i32(self.K), _i32(T)))
         return out
 
 
@@ -193,16 +197,15 @@ class TrellisLinear:
         return self.N, self.K
 
     def __call__(self, x) -> cp.ndarray:
-        x = _device_f32(x)
-        out = cp.empty((x.shape[0], self.N), cp.float32)
-        for rows in _row_slices(x.shape[0]):
-            q, scale = rotate_quantize_int8(x[rows], self.signs)
-            T = q.shape[0]
-            part = cp.empty((T, self.N), cp.float32)
-            kernel("w4a8", "trellis_gemv")((self.N // 16,), (128,),
-                                           (self.packed, _i32(self.k), self.multiplier, self.row_scale, q, scale,
-                                            part, _i32(self.N), _i32(self.K), _i32(T)))
-            out[rows] = part
+        return _by_row_slices(x, self.N, self._rows)
+
+    def _rows(self, x: cp.ndarray) -> cp.ndarray:
+        q, scale = rotate_quantize_int8(x, self.signs)
+        T = q.shape[0]
+        out = cp.empty((T, self.N), cp.float32)
+        kernel("w4a8", "trellis_gemv")((self.N // 16,), (128,),
+                                       (self.packed, _i32(self.k), self.multiplier, self.row_scale, q, scale,
+                                        out, _i32(self.N), _i32(self.K), _i32(T)))
         return out
 
 
