@@ -64,15 +64,8 @@ def gpu_linear(linear):
     return kinds[type(linear)](linear.weight)
 
 
-class ConcatOutputs:
-    """Several Linears on the same input, outputs side by side (engine.backend.cpu.ConcatOutputs)."""
-
-    def __init__(self, parts: list):
-        self.parts = parts
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+class ConcatOutputs(cpu.ConcatOutputs):
+    """engine.backend.cpu.ConcatOutputs over GPU Linears: the outputs join on the device."""
 
     def __call__(self, x) -> cp.ndarray:
         return cp.concatenate([p(x) for p in self.parts], axis=-1)

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from pilot_wait import wait_for
 from textual.widgets import Collapsible, Input, Label, Markdown, Select, Static
 
 from app.settings import Config, load_config, user_paths
@@ -42,15 +43,6 @@ def make_app(tmp_path, monkeypatch, tiny_model):
         return DuetApp(user_paths(), config or Config(max_tokens=12), launch)
 
     return make
-
-
-async def wait_for(pilot, condition, timeout: float = 20.0) -> None:
-    """Let the app run until condition() holds; bounded."""
-    for _ in range(int(timeout / 0.05)):
-        if condition():
-            return
-        await pilot.pause(0.05)
-    raise AssertionError("the app did not get there in time")
 
 
 def last_note(app):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from fake_hub import FakeHub
+from pilot_wait import wait_for
 from textual.widgets import DataTable, Input, Label
 
 import app.catalog
@@ -57,14 +58,6 @@ def hub(tiny_model, tmp_path, monkeypatch):
 
 def make_app(model) -> DuetApp:
     return DuetApp(user_paths(), Config(max_tokens=8), Launch(model, choices=EngineChoices(draft="none")))
-
-
-async def wait_for(pilot, condition, timeout: float = 20.0) -> None:
-    for _ in range(int(timeout / 0.05)):
-        if condition():
-            return
-        await pilot.pause(0.05)
-    raise AssertionError("the app did not get there in time")
 
 
 async def open_models(pilot) -> ModelsScreen:

@@ -68,12 +68,11 @@ def test_compile_error_is_reported():
             build.source_text = original
 
 
-def test_nvcc_route_agrees_when_present():
-    """The fallback compiler, where the machine has one, reports the same kernels."""
+def test_nvcc_route_agrees():
+    """The fallback compiler (nvcc, which the build machines have) reports the same kernels."""
     import shutil
 
-    if not shutil.which("nvcc"):
-        pytest.skip("nvcc is not on PATH: the NVRTC route above is the one in use")
+    assert shutil.which("nvcc"), "nvcc is not on PATH; the compile check's fallback route needs the CUDA toolkit"
     result = build._compile_nvcc("w4a16", "sm_86")
     assert {u.kernel for u in build.parse_usage(result)} == set(build.KERNELS["w4a16"])
 
