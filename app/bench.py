@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -111,15 +112,12 @@ def run_decode_bench(args: argparse.Namespace) -> int:
         raise DuetError(f"{model_dir}: no such model folder; pass --model with a folder holding config.json")
     config = ModelConfig.from_file(model_dir / "config.json")
     require_reference("decode")
-    import torch
-
     threads = blas_threads()
-    torch.set_num_threads(threads)
-    engines = {"duet": ours_engine(load_ours(model_dir, config)),
-               "transformers": transformers_engine(load_transformers(model_dir))}
-    prompt = random_prompt(config.vocab_size, args.prompt_tokens)
-    runs = interleaved_runs(engines, prompt, args.new_tokens, args.repeats)
-    result = decode_result(config, threads, torch.get_num_threads(), args, runs)
+    with TransformersProcess(model_dir, threads) as reference:
+        engines = {"duet": ours_engine(load_ours(model_dir, config)), "transformers": reference}
+        prompt = random_prompt(config.vocab_size, args.prompt_tokens)
+        runs = interleaved_runs(engines, prompt, args.new_tokens, args.repeats)
+    result = decode_result(config, threads, reference.torch_threads, args, runs)
     if not result["tokens_agree"]:
         print(f"duet bench decode: warning: greedy tokens of duet and transformers differ from token "
               f"{result['first_mismatch']} on", file=sys.stderr)
@@ -211,6 +209,64 @@ def transformers_engine(model) -> Engine:
             return Run(prefilled - started, time.perf_counter() - prefilled, tokens)
 
     return timed_greedy
+
+
+class TransformersProcess:
+    """The transformers engine in a process of its own, taking turns with ours on request.
+
+    Our engine changes process-wide settings (glibc's allocator, numpy's BLAS thread pool); in one
+    process they sped transformers up too (its 128-token prefill at 2 threads: 71.8 -> 82.7 and
+    85.8 -> 100.8 tok/s with our allocator setting), so the reference would not be the transformers
+    a user runs. A spawned child starts from a fresh interpreter; the two still take turns, so
+    machine noise hits both.
+    """
+
+    def __init__(self, model_dir: Path, threads: int):
+        context = multiprocessing.get_context("spawn")
+        self._pipe, child_end = context.Pipe()
+        self._process = context.Process(target=serve_transformers, args=(str(model_dir), threads, child_end),
+                                        name="duet-bench-transformers", daemon=True)
+        self._process.start()
+        child_end.close()
+        self.pid = self._process.pid
+        self.torch_threads = self._reply()
+
+    def __call__(self, prompt: list[int], steps: int) -> Run:
+        self._pipe.send((prompt, steps))
+        return self._reply()
+
+    def _reply(self):
+        try:
+            kind, value = self._pipe.recv()
+        except EOFError:
+            raise DuetError("the transformers process of the benchmark ended without a reply; run it again to see why") from None
+        if kind == "error":
+            raise DuetError(f"transformers could not run the benchmark: {value}")
+        return value
+
+    def __enter__(self) -> TransformersProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._process.is_alive():
+            self._pipe.send(None)
+            self._process.join(timeout=30)
+        self._process.kill()
+        self._pipe.close()
+
+
+def serve_transformers(model_dir: str, threads: int, pipe) -> None:
+    """The child's loop: load once, then one timed run per (prompt, steps) request until None."""
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        engine = transformers_engine(load_transformers(Path(model_dir)))
+        pipe.send(("ready", torch.get_num_threads()))
+        while (request := pipe.recv()) is not None:
+            pipe.send(("run", engine(*request)))
+    except Exception as error:  # reported to the parent as one line
+        pipe.send(("error", f"{type(error).__name__}: {error}"))
 
 
 def interleaved_runs(engines: dict[str, Engine], prompt: list[int], steps: int, repeats: int) -> dict[str, list[Run]]:

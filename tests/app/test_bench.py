@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
 
-from app.bench import random_model_config
+from app.bench import TransformersProcess, load_transformers, random_model_config, random_prompt, transformers_engine
 from app.cli import main
 from conftest import build_reference, save_reference
 from engine.config import FULL_ATTENTION, ModelConfig
@@ -36,6 +37,17 @@ def test_decode_bench_json_reports_both_engines(tiny_weights_dir, capsys):
     assert result["tokens_agree"] is True and result["first_mismatch"] is None
 
 
+def test_transformers_reference_runs_in_its_own_process(tiny_weights_dir):
+    """Our engine's process-wide settings (allocator, BLAS pool) must not reach the reference; its
+    greedy tokens are the ones transformers gives in this process."""
+    prompt = random_prompt(ModelConfig.from_file(tiny_weights_dir / "config.json").vocab_size, 20)
+    with TransformersProcess(tiny_weights_dir, threads=1) as reference:
+        assert reference.pid != os.getpid() and reference.torch_threads == 1
+        run = reference(prompt, 5)
+    assert run.prefill_s > 0 and run.decode_s > 0
+    assert run.tokens == transformers_engine(load_transformers(tiny_weights_dir))(prompt, 5).tokens
+
+
 def test_decode_bench_prints_a_table(tiny_weights_dir, capsys):
     assert main(["bench", "decode", "--model", str(tiny_weights_dir),
                  "--prompt-tokens", "3", "--new-tokens", "2", "--repeats", "2"]) == 0
@@ -47,6 +59,13 @@ def test_missing_model_folder_is_one_line_exit_2(tmp_path, capsys):
     assert main(["bench", "decode", "--model", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nowhere" in err and "--model" in err
+
+
+def test_reference_that_cannot_load_is_one_line_exit_2(tmp_path, tiny_weights_dir, capsys):
+    (tmp_path / "config.json").write_bytes((tiny_weights_dir / "config.json").read_bytes())  # no weights
+    assert main(["bench", "decode", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "transformers could not run" in err and "Traceback" not in err
 
 
 def test_missing_reference_names_the_extra(tiny_weights_dir, monkeypatch, capsys):
