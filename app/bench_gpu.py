@@ -307,7 +307,7 @@ def cycle_table(layers: int | None = None, rows=CYCLE_ROWS, routes=ROUTES, repea
             results.append({"route": route, "rows": T, "bill_bytes": bill, "limit_s": bill / copy,
                             "uncaptured_s": uncaptured_s, "graph_s": graph_s, "of_limit": bill / copy / graph_s,
                             "ring_ok": ring_ok})
-        del model, state, graph
+        model = state = graph = None  # free this route's weights and state before the next one
         cp.get_default_memory_pool().free_all_blocks()
     return {"device": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
             "copy_bytes_per_s": copy, "layers": layers, "context": CONTEXT, "results": results}
