@@ -17,7 +17,11 @@ from engine.backend.cpu import ROWWISE_MAX, in_two, one_blas_thread, reuse_freed
 from engine.cache import DeltaNetState, KVCache, Q4KVCache, SequenceState
 from engine.config import ModelConfig
 
-CHUNK = 64  # DeltaNet prefill chunk length, as transformers' torch_chunk_gated_delta_rule
+# DeltaNet prefill chunk length. transformers' torch_chunk_gated_delta_rule uses 64; with numpy on
+# the CPU 32 runs the rule 20% faster (128 tokens x 8 heads, one thread: 7.4 -> 5.9 ms; 512 tokens:
+# 31.7 -> 25.2 ms): the C x C terms and the triangular inverse shrink more than the per-chunk
+# state products add.
+CHUNK = 32
 DECAY_FLOOR = -40.0  # e^-40 ~ 4e-18: nothing next to O(1) terms in fp32, yet far above denormals (< 1.2e-38)
 
 

@@ -14,7 +14,7 @@ from engine.checkpoint.hf import load_hf_model
 from engine.checkpoint.safetensors import SafetensorsCheckpoint
 from engine.config import ModelConfig
 
-PROMPT_LEN = 150  # more than two 64-token DeltaNet chunks, and not a multiple of 64
+PROMPT_LEN = 150  # more than two DeltaNet chunks (64 in transformers, 32 in ours), a multiple of neither
 DECODE_STEPS = 24
 
 CASES = [
