@@ -9,7 +9,7 @@ import ctypes
 import functools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,51 +41,55 @@ def reuse_freed_memory() -> None:
     mallopt(M_TRIM_THRESHOLD, 256 << 20)
 
 
-# Prefill runs its work in two halves on two cores. ufunc loops and BLAS calls release the GIL, so
-# a second Python thread is enough: SiLU and the causal conv over [128, 6144] take 2.2 ms that way
-# against 3.8 ms on one thread. Results are bit-identical to one thread's: each element, row or
-# head is computed by the same code either way. The engine splits when numpy's BLAS was given two
-# or more threads (OPENBLAS_NUM_THREADS=1 keeps it on one core) and two cores are there.
+# Prefill splits its work into one part per core. ufunc loops and BLAS calls release the GIL, so
+# Python threads are enough: SiLU and the causal conv over [128, 6144] take 2.2 ms on two cores
+# against 3.8 ms on one. Results are bit-identical however the work is split: each element, row or
+# head is computed by the same code either way. The parts follow the thread count numpy's BLAS was
+# given (OPENBLAS_NUM_THREADS; one thread per core by default) and the cores this process may use.
 BLAS = ThreadpoolController()
-_SECOND_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-numpy")
 
 
-def _two_cores() -> bool:
+def _parts() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     blas_threads = min((lib.num_threads for lib in BLAS.select(user_api="blas").lib_controllers), default=1)
-    return cores >= 2 and blas_threads >= 2
+    return max(1, min(cores, blas_threads))
 
 
-TWO_CORES = _two_cores()
+PARTS = _parts()
+_WORKERS = ThreadPoolExecutor(max_workers=max(1, PARTS - 1), thread_name_prefix="duet-numpy")
 
 
 def one_blas_thread():
     """Context: numpy's BLAS on the calling thread only. Prefill runs under it as a whole, so no
-    product wakes OpenBLAS's workers, which would then spin for ~0.1 s on the cores the two halves
-    need (the causal conv right after a two-thread GEMM took 6.0 ms, median, against 3.0 ms when
-    the workers slept at once)."""
+    product wakes OpenBLAS's workers, which would then spin for ~0.1 s on the cores the parts need
+    (the causal conv right after a two-thread GEMM took 6.0 ms, median, against 3.0 ms when the
+    workers slept at once)."""
     return BLAS.limit(limits=1, user_api="blas")
 
 
-_SPLITTING = threading.Lock()  # held while a split runs: an in_two inside one, or beside one, runs whole
+_SPLITTING = threading.Lock()  # held while a split runs: a split inside one, or beside one, runs whole
 
 
-def in_two(work, n: int, split: bool = True) -> None:
-    """work(lo, hi) over [0, n), as two halves at once when asked and there are two cores; n counts
-    independent items (rows, heads, channels). A decode step does not split: handing work to the
-    other thread costs more than its few hundred elements. Each half runs its products on one BLAS
-    thread (two halves of two BLAS threads each would put four threads on two cores). Halves beat
-    finer pieces the threads take in turn: a prefill took 10% longer with 4 pieces, 18% with 8."""
-    if not split or n < 2 or not TWO_CORES or not _SPLITTING.acquire(blocking=False):
+def in_parallel(work, n: int, split: bool = True) -> None:
+    """work(lo, hi) over [0, n) in PARTS contiguous parts at once, when asked; n counts independent
+    items (rows, heads, channels). A decode step does not split: handing work to another thread
+    costs more than its few hundred elements. Each part runs its products on one BLAS thread (parts
+    of several BLAS threads each would put more threads than cores). One part per core beat finer
+    parts the threads take in turn: on two cores a prefill took 10% longer with 4 parts, 18% with 8."""
+    parts = min(PARTS, n)
+    if not split or parts < 2 or not _SPLITTING.acquire(blocking=False):
         work(0, n)
         return
     try:
+        bounds = [n * i // parts for i in range(parts + 1)]
         with one_blas_thread():
-            other = _SECOND_WORKER.submit(work, 0, n // 2)
+            others = [_WORKERS.submit(work, lo, hi) for lo, hi in zip(bounds[:-2], bounds[1:-1])]
             try:
-                work(n // 2, n)
+                work(bounds[-2], n)
             finally:
-                other.result()
+                wait(others)
+            for other in others:
+                other.result()  # a part's exception, raised here
     finally:
         _SPLITTING.release()
 
@@ -114,10 +118,11 @@ class DenseLinear:
         if x.shape[0] <= ROWWISE_MAX:
             return np.stack([row @ self.weight.T for row in x])
         # Each core computes W @ x^T (the faster operand order in OpenBLAS: 19.3 against 21.6 ms for
-        # the DeltaNet in_proj 8224 x 1024 at 128 rows, one thread) for half of the weight rows, then
-        # copies its [N / 2, T] block back to row-major. The whole 128-token prefill of the 0.8B
-        # geometry took 1.20x as long with OpenBLAS's own two threads on x @ W^T, whose workers then
-        # spin on the cores the numpy halves need (median of 10, alternating in one process).
+        # the DeltaNet in_proj 8224 x 1024 at 128 rows, one thread) for its part of the weight rows,
+        # then copies its [N / parts, T] block back to row-major. On two cores the whole 128-token
+        # prefill of the 0.8B geometry took 1.20x as long with OpenBLAS's own two threads on x @ W^T,
+        # whose workers then spin on the cores the numpy parts need (median of 10, alternating in one
+        # process).
         N, T = self.weight.shape[0], x.shape[0]
         by_weight_row = np.empty((N, T), np.float32)
         out = np.empty((T, N), np.float32)
@@ -126,7 +131,7 @@ class DenseLinear:
             np.matmul(self.weight[lo:hi], x.T, out=by_weight_row[lo:hi])
             copy_transposed(out[:, lo:hi], by_weight_row[lo:hi])
 
-        in_two(weight_rows, N)
+        in_parallel(weight_rows, N)
         return out
 
 
@@ -248,7 +253,7 @@ def _by_chunks(weight, rows_fn, *inputs: np.ndarray) -> np.ndarray:
     """Decode CHUNK_WEIGHTS weights at a time and apply rows_fn; up to ROWWISE_MAX rows one by one.
 
     inputs are per-row arrays [T, ...] (the activation in the route's form). The chunks are split
-    between the two cores even for one row: decoding a chunk is numpy work of milliseconds.
+    between the cores even for one row: decoding a chunk is numpy work of milliseconds.
     """
     N, K = weight.shape
     T = inputs[0].shape[0]
@@ -266,7 +271,7 @@ def _by_chunks(weight, rows_fn, *inputs: np.ndarray) -> np.ndarray:
             else:
                 out[:, start:stop] = rows_fn(*decoded, *inputs)
 
-    in_two(chunks, len(starts))
+    in_parallel(chunks, len(starts))
     return out
 
 

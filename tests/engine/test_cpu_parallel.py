@@ -1,0 +1,92 @@
+"""Prefill's work split between cores (engine.backend.cpu.in_parallel): every item once, nested
+splits run whole, errors surface, and results are bit-identical to one part's."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import engine.backend.cpu as cpu
+from conftest import build_reference, save_reference
+from engine.checkpoint.hf import load_hf_model
+from engine.checkpoint.safetensors import SafetensorsCheckpoint
+from engine.config import ModelConfig
+from engine.quant.w4 import quantize_rtn
+
+
+def test_parts_cover_every_item_once_on_several_threads(monkeypatch):
+    monkeypatch.setattr(cpu, "PARTS", 2)
+    seen, threads = [], set()
+
+    def work(lo, hi):
+        seen.extend(range(lo, hi))
+        threads.add(threading.get_ident())
+
+    cpu.in_parallel(work, 37)
+    assert sorted(seen) == list(range(37))
+    assert len(threads) == 2
+
+
+def test_a_split_inside_a_split_runs_whole(monkeypatch):
+    """The inner call must not wait for a worker the outer call is using (a deadlock)."""
+    monkeypatch.setattr(cpu, "PARTS", 2)
+    inner_ranges = []
+
+    def outer(lo, hi):
+        cpu.in_parallel(lambda a, b: inner_ranges.append((a, b)), 10)
+
+    runner = threading.Thread(target=cpu.in_parallel, args=(outer, 4))
+    runner.start()
+    runner.join(timeout=30)
+    assert not runner.is_alive(), "nested in_parallel deadlocked"
+    assert inner_ranges == [(0, 10), (0, 10)]
+
+
+def test_a_parts_error_is_raised_to_the_caller(monkeypatch):
+    monkeypatch.setattr(cpu, "PARTS", 2)
+
+    def work(lo, hi):
+        if lo == 0:  # the part a worker thread runs
+            raise ValueError("part failed")
+
+    with pytest.raises(ValueError, match="part failed"):
+        cpu.in_parallel(work, 8)
+    cpu.in_parallel(lambda lo, hi: None, 8)  # the lock was released
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    folder = save_reference(build_reference("qwen3_5_text", seed=3), tmp_path_factory.mktemp("parallel") / "m")
+    return load_hf_model(SafetensorsCheckpoint(folder), ModelConfig.from_file(folder / "config.json"))
+
+
+def prefill(model, parts: int, monkeypatch, tokens):
+    monkeypatch.setattr(cpu, "PARTS", parts)
+    state = model.new_state()
+    hidden = model.forward(state, tokens)
+    deltanet = [cache.recurrent.copy() for cache in state.layers if hasattr(cache, "recurrent")]
+    return hidden, deltanet
+
+
+def test_prefill_is_bit_identical_split_or_not(tiny_model, monkeypatch):
+    tokens = list(np.random.default_rng(0).integers(0, tiny_model.config.vocab_size, 90))
+    one_hidden, one_states = prefill(tiny_model, 1, monkeypatch, tokens)
+    for parts in (2, 3):  # 3 parts: uneven, and more parts than the 2 key heads
+        hidden, states = prefill(tiny_model, parts, monkeypatch, tokens)
+        assert np.array_equal(hidden, one_hidden)
+        assert all(np.array_equal(a, b) for a, b in zip(states, one_states))
+
+
+@pytest.mark.parametrize("linear", [cpu.W4A16Linear, cpu.W4A8Linear])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_quantized_chunks_split_between_cores_give_the_same_output(linear, rows, monkeypatch):
+    rng = np.random.default_rng(1)
+    layer = linear(quantize_rtn(rng.standard_normal((300, 256), dtype=np.float32)))
+    x = rng.standard_normal((rows, 256), dtype=np.float32)
+    monkeypatch.setattr(cpu, "CHUNK_WEIGHTS", 256 * 64)  # 5 chunks of 64 rows
+    monkeypatch.setattr(cpu, "PARTS", 1)
+    whole = layer(x)
+    monkeypatch.setattr(cpu, "PARTS", 2)
+    assert np.array_equal(layer(x), whole)
