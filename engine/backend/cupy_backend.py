@@ -49,15 +49,6 @@ def _row_slices(T: int):
     return [slice(s, min(T, s + MAX_ROWS)) for s in range(0, T, MAX_ROWS)]
 
 
-def _by_row_slices(x, N: int, run_rows) -> cp.ndarray:
-    """y [T, N] from run_rows(x[rows]) [t, N] over slices of at most MAX_ROWS rows of x [T, K]."""
-    x = _device_f32(x)
-    out = cp.empty((x.shape[0], N), cp.float32)
-    for rows in _row_slices(x.shape[0]):
-        out[rows] = run_rows(x[rows])
-    return out
-
-
 def _blocks(n: int, per: int) -> int:
     return (n + per - 1) // per
 
@@ -80,7 +71,26 @@ class DenseLinear:
         return _device_f32(x) @ self.weight.T
 
 
-class W4A16Linear:
+class RowSlicedLinear:
+    """The quantized routes' kernels take at most MAX_ROWS rows: y [T, N] from the subclass's
+    run_rows(x [t <= MAX_ROWS, K]) -> [t, N] over slices of x."""
+
+    N: int
+    K: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.N, self.K
+
+    def __call__(self, x) -> cp.ndarray:
+        x = _device_f32(x)
+        out = cp.empty((x.shape[0], self.N), cp.float32)
+        for rows in _row_slices(x.shape[0]):
+            out[rows] = self.run_rows(x[rows])
+        return out
+
+
+class W4A16Linear(RowSlicedLinear):
     """`w4a16`: bf16 activations, W4 weights decoded in registers, mma.sync bf16, fp32 per group.
 
     Grid: one block per 16 output rows; when that leaves the GPU short of blocks, the 128-groups
@@ -98,13 +108,6 @@ class W4A16Linear:
         self.N, self.K = N, K
         groups, tiles = K // GROUP, N // 16
         self.splits = max(1, min(groups // 8, _blocks(4 * _sm_count(), tiles)))
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.N, self.K
-
-    def __call__(self, x) -> cp.ndarray:
-        return _by_row_slices(x, self.N, self.run_rows)
 
     def run_rows(self, x: cp.ndarray) -> cp.ndarray:
         T = x.shape[0]
@@ -142,7 +145,7 @@ INT8_CODECS = {GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_0: "q4
                GGMLQuantizationType.IQ4_XS: "iq4_xs"}
 
 
-class W4A8Linear:
+class W4A8Linear(RowSlicedLinear):
     """`w4a8`: int8 activations (absmax per 32), weights decoded to int8 per 32-input unit, dp4a
     integer dots, fp32 rescale by weight scale x activation scale. W4 weights and GGUF Q8_0, Q4_0,
     IQ4_XS blocks."""
@@ -161,14 +164,7 @@ class W4A8Linear:
         self.row_bytes = self.weights.nbytes // N
         self.N, self.K = N, K
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.N, self.K
-
-    def __call__(self, x) -> cp.ndarray:
-        return _by_row_slices(x, self.N, self._rows)
-
-    def _rows(self, x: cp.ndarray) -> cp.ndarray:
+    def run_rows(self, x: cp.ndarray) -> cp.ndarray:
         q, scale = quantize_int8(x)
         T = q.shape[0]
         out = cp.empty((T, self.N), cp.float32)
@@ -178,7 +174,7 @@ class W4A8Linear:
         return out
 
 
-class TrellisLinear:
+class TrellisLinear(RowSlicedLinear):
     """`w4a8` for trellis weights: activations rotated like the weight and int8 per 128-block, levels
     decoded from the tile streams (1MAD, dp4a), exact block dots, y = row_scale * sum ascale * dot."""
 
@@ -192,14 +188,7 @@ class TrellisLinear:
         self.k, self.multiplier = weight.k, np.uint32(MULTIPLIERS[weight.k])
         self.N, self.K = N, K
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.N, self.K
-
-    def __call__(self, x) -> cp.ndarray:
-        return _by_row_slices(x, self.N, self._rows)
-
-    def _rows(self, x: cp.ndarray) -> cp.ndarray:
+    def run_rows(self, x: cp.ndarray) -> cp.ndarray:
         q, scale = rotate_quantize_int8(x, self.signs)
         T = q.shape[0]
         out = cp.empty((T, self.N), cp.float32)
