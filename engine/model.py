@@ -22,7 +22,10 @@ from engine.config import ModelConfig
 # 31.7 -> 25.2 ms): the C x C terms and the triangular inverse shrink more than the per-chunk
 # state products add.
 CHUNK = 32
-DECAY_FLOOR = -40.0  # e^-40 ~ 4e-18: nothing next to O(1) terms in fp32, yet far above denormals (< 1.2e-38)
+# e^-30 ~ 1e-13: nothing next to O(1) terms in fp32 (eps 1.2e-7). Low enough to drop nothing that
+# shows, high enough that a product of two floored factors and a few small ones (beta, k.k) stays
+# far above the denormals (< 1.2e-38), which run up to ~100x slower on x86.
+DECAY_FLOOR = -30.0
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -67,7 +70,7 @@ def decay(log_decay: np.ndarray) -> np.ndarray:
 
     Once a head's decay summed over a 64-token chunk passes -87, a plain exp gives denormal floats,
     and every multiply and matmul that touches them runs up to ~100x slower on x86. Factors under
-    e^-40 are invisible in fp32 next to the O(1) in-chunk terms, so flushing them changes nothing.
+    e^DECAY_FLOOR are invisible in fp32 next to the O(1) in-chunk terms, so flushing them changes nothing.
     """
     return np.where(log_decay > DECAY_FLOOR, np.exp(np.maximum(log_decay, DECAY_FLOOR)), np.float32(0.0))
 
@@ -282,7 +285,7 @@ def delta_rule_chunked(q, k, v, beta, log_decay, S: np.ndarray) -> tuple[np.ndar
     pair_decay = decay(np.where(lower, G[..., :, None] - G[..., None, :], -np.inf))  # [Hv, n, C, C]
     k_beta = k * beta[..., None]
     L = (k_beta @ np.swapaxes(k, -1, -2)) * pair_decay
-    inverse = unit_lower_inverse(L)
+    inverse = unit_lower_inverse(L, pair_decay > 0)
     new_values = inverse @ (v * beta[..., None])
     k_cum = inverse @ (k_beta * decay(G)[..., None])
     intra = (q @ np.swapaxes(k, -1, -2)) * pair_decay  # causal q.k within the chunk
@@ -301,8 +304,13 @@ def delta_rule_chunked(q, k, v, beta, log_decay, S: np.ndarray) -> tuple[np.ndar
 SOLVE_BLOCK = 16  # diagonal blocks of the chunk's triangular system, inverted all at once
 
 
-def unit_lower_inverse(L: np.ndarray) -> np.ndarray:
+def unit_lower_inverse(L: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """(I + strict_lower(L))^-1 for L [..., C, C], C a multiple of SOLVE_BLOCK, batched over leading axes.
+
+    keep [..., C, C] marks the entries that stay: where the pair decay is 0, the exact inverse holds
+    that decay times O(1) terms, so it is set to 0 too, as each row is formed. Without that, chains
+    of products of small L entries reach denormals: the rule over one layer's 16 heads of a 128-token
+    prefill (random 0.8B geometry) took 16.1 ms, 9.6 ms with the mask, outputs identical.
 
     The diagonal blocks (unit lower, SOLVE_BLOCK wide) are inverted together by forward substitution,
     then block row i below them follows from the rows above it: X_i,<i = -X_ii (L_i,<i X_<i,<i).
@@ -313,17 +321,21 @@ def unit_lower_inverse(L: np.ndarray) -> np.ndarray:
     lead = L.shape[:-2]
     blocks = L.reshape(*lead, nb, b, nb, b)
     diagonal = np.stack([blocks[..., j, :, j, :] for j in range(nb)], axis=-3)  # [..., nb, b, b]
+    keep_blocks = keep.reshape(*lead, nb, b, nb, b)
+    keep_diagonal = np.stack([keep_blocks[..., j, :, j, :] for j in range(nb)], axis=-3)
     eye = np.eye(b, dtype=L.dtype)
     inv_diagonal = np.empty_like(diagonal)
     inv_diagonal[..., 0, :] = eye[0]
     for i in range(1, b):
-        inv_diagonal[..., i, :] = eye[i] - (diagonal[..., i : i + 1, :i] @ inv_diagonal[..., :i, :])[..., 0, :]
+        row = eye[i] - (diagonal[..., i : i + 1, :i] @ inv_diagonal[..., :i, :])[..., 0, :]
+        inv_diagonal[..., i, :] = row * keep_diagonal[..., i, :]
     X = np.zeros_like(L)
     X[..., :b, :b] = inv_diagonal[..., 0, :, :]
     for i in range(1, nb):
         rows = slice(i * b, (i + 1) * b)
         X[..., rows, rows] = inv_diagonal[..., i, :, :]
-        X[..., rows, : i * b] = -(inv_diagonal[..., i, :, :] @ (L[..., rows, : i * b] @ X[..., : i * b, : i * b]))
+        below = -(inv_diagonal[..., i, :, :] @ (L[..., rows, : i * b] @ X[..., : i * b, : i * b]))
+        X[..., rows, : i * b] = below * keep[..., rows, : i * b]
     return X
 
 
