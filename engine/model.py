@@ -349,14 +349,17 @@ class MLP:
     down: object  # [H, I]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        gate, up = np.split(self.gate_up(x), 2, axis=-1)
-        hidden = np.empty_like(up)
+        # The intermediate stays feature-major [I, T]: a prefill's gate/up product comes out that way
+        # without a transposing copy, and down reads it back as a plain operand.
+        gate_up = self.gate_up.by_feature(x)
+        inner = gate_up.shape[0] // 2
+        hidden = np.empty((inner, x.shape[0]), np.float32)
 
-        def rows(lo: int, hi: int) -> None:
-            np.multiply(silu(gate[lo:hi]), up[lo:hi], out=hidden[lo:hi])
+        def features(lo: int, hi: int) -> None:
+            np.multiply(silu(gate_up[lo:hi]), gate_up[inner + lo : inner + hi], out=hidden[lo:hi])
 
-        in_parallel(rows, x.shape[0], split=x.shape[0] > ROWWISE_MAX)
-        return self.down(hidden)
+        in_parallel(features, inner, split=x.shape[0] > ROWWISE_MAX)
+        return self.down(hidden.T)
 
 
 @dataclass

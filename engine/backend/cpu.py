@@ -101,7 +101,17 @@ def in_parallel(work, n: int, split: bool = True) -> None:
 ROWWISE_MAX = 16
 
 
-class DenseLinear:
+class Linear:
+    """What every route's Linear offers: __call__, x [T, K] -> x @ W^T [T, N], and the same product
+    feature-major."""
+
+    def by_feature(self, x: np.ndarray) -> np.ndarray:
+        """(x @ W^T)^T as a C-contiguous [N, T] array, for callers that keep prefill activations
+        feature-major. Here a transposing copy; DenseLinear forms it without one."""
+        return np.ascontiguousarray(self(x).T)
+
+
+class DenseLinear(Linear):
     """Unquantized weight [N, K] held in fp32 (the `bf16` route: bf16/fp16 checkpoints widened once)."""
 
     route = "bf16"
@@ -114,22 +124,31 @@ class DenseLinear:
         return self.weight.shape
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        # BLAS reads W^T through the transposed view; no copy of the weight is made.
         if x.shape[0] <= ROWWISE_MAX:
-            return np.stack([row @ self.weight.T for row in x])
+            # BLAS reads W^T through the transposed view; no copy of the weight is made. Rows are
+            # made contiguous first, so a row's result does not depend on the layout it came in.
+            return np.stack([row @ self.weight.T for row in np.ascontiguousarray(x)])
+        return self._product(x, token_major=True)
+
+    def by_feature(self, x: np.ndarray) -> np.ndarray:
+        return super().by_feature(x) if x.shape[0] <= ROWWISE_MAX else self._product(x, token_major=False)
+
+    def _product(self, x: np.ndarray, token_major: bool) -> np.ndarray:
         # Each core computes W @ x^T (the faster operand order in OpenBLAS: 19.3 against 21.6 ms for
-        # the DeltaNet in_proj 8224 x 1024 at 128 rows, one thread) for its part of the weight rows,
-        # then copies its [N / parts, T] block back to row-major. On two cores the whole 128-token
-        # prefill of the 0.8B geometry took 1.20x as long with OpenBLAS's own two threads on x @ W^T,
-        # whose workers then spin on the cores the numpy parts need (median of 10, alternating in one
-        # process).
+        # the DeltaNet in_proj 8224 x 1024 at 128 rows, one thread) for its part of the weight rows:
+        # that is the feature-major [N, T] result, which __call__ copies back to token-major block by
+        # block. On two cores the whole 128-token prefill of the 0.8B geometry took 1.20x as long with
+        # OpenBLAS's own two threads on x @ W^T, whose workers then spin on the cores the numpy parts
+        # need (median of 10, alternating in one process). An x that is itself a transposed
+        # feature-major array makes x^T a plain operand.
         N, T = self.weight.shape[0], x.shape[0]
         by_weight_row = np.empty((N, T), np.float32)
-        out = np.empty((T, N), np.float32)
+        out = np.empty((T, N), np.float32) if token_major else by_weight_row
 
         def weight_rows(lo: int, hi: int) -> None:
             np.matmul(self.weight[lo:hi], x.T, out=by_weight_row[lo:hi])
-            copy_transposed(out[:, lo:hi], by_weight_row[lo:hi])
+            if token_major:
+                copy_transposed(out[:, lo:hi], by_weight_row[lo:hi])
 
         in_parallel(weight_rows, N)
         return out
@@ -155,7 +174,7 @@ def copy_transposed(dst: np.ndarray, src: np.ndarray) -> None:
 CHUNK_WEIGHTS = 1 << 20  # weights decoded at a time (4 MB of fp32 levels)
 
 
-class W4A16Linear:
+class W4A16Linear(Linear):
     """`w4a16`: W4 weights (bf16 scale per 128) against bf16-rounded activations.
 
     y[n] = sum over groups g of scale[n, g] * (sum over the group's 128 k of level[n, k] * bf16(x[k])),
@@ -183,7 +202,7 @@ def _w4a16_rows(levels: np.ndarray, scale: np.ndarray, minimum: None, x: np.ndar
     return np.einsum("grt,rg->tr", sums, scale)
 
 
-class W4A8Linear:
+class W4A8Linear(Linear):
     """`w4a8`: integer weight levels against int8 activations (absmax per 32 inputs, fp32 scale).
 
     For each block u of min(32, weight sub-block) inputs: an integer dot product of weight levels and
@@ -223,7 +242,7 @@ class W4A8Linear:
         return out
 
 
-class TrellisLinear:
+class TrellisLinear(Linear):
     """`w4a8` for trellis weights (engine/quant/trellis.py): activations rotated by the weight's
     Hadamard, int8 per 128-block; per block an integer dot against the int8 trellis levels, rescaled
     by the activation scale; the row scale last. y[n] = row_scale[n] * sum_b act_scale[b] * dot_b.
@@ -275,7 +294,7 @@ def _by_chunks(weight, rows_fn, *inputs: np.ndarray) -> np.ndarray:
     return out
 
 
-class ConcatOutputs:
+class ConcatOutputs(Linear):
     """Several linears on the same input, outputs side by side (gate and up of different storage forms)."""
 
     def __init__(self, parts: list):
@@ -289,7 +308,7 @@ class ConcatOutputs:
         return np.concatenate([p(x) for p in self.parts], axis=-1)
 
 
-class PermutedInput:
+class PermutedInput(Linear):
     """A linear whose input columns come in another order: y = linear(x[:, order]).
 
     GGUF files of qwen35 store DeltaNet value heads tiled; the model computes them grouped, so

@@ -90,3 +90,16 @@ def test_quantized_chunks_split_between_cores_give_the_same_output(linear, rows,
     whole = layer(x)
     monkeypatch.setattr(cpu, "PARTS", 2)
     assert np.array_equal(layer(x), whole)
+
+
+@pytest.mark.parametrize("linear", [cpu.DenseLinear, cpu.W4A16Linear, cpu.W4A8Linear])
+@pytest.mark.parametrize("rows", [3, 40])
+def test_the_feature_major_product_is_the_transposed_product(linear, rows, monkeypatch):
+    """by_feature ([N, T], what the MLP keeps its intermediate in) holds exactly linear(x).T."""
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((300, 256), dtype=np.float32)
+    layer = linear(weight if linear is cpu.DenseLinear else quantize_rtn(weight))
+    x = rng.standard_normal((rows, 256), dtype=np.float32)
+    monkeypatch.setattr(cpu, "PARTS", 2)
+    by_feature = layer.by_feature(x)
+    assert by_feature.flags.c_contiguous and np.array_equal(by_feature, layer(x).T)
