@@ -175,7 +175,7 @@ def ours_engine(model: Model) -> Engine:
     def timed_greedy(prompt: list[int], steps: int) -> Run:
         state = model.new_state()
         started = time.perf_counter()
-        tokens = [int(np.argmax(model.logits(model.forward(state, prompt)[-1:])[0]))]
+        tokens = [int(np.argmax(model.logits(model.forward(state, prompt, last_only=True))[0]))]
         prefilled = time.perf_counter()
         for _ in range(steps):
             tokens.append(int(np.argmax(model.logits(model.forward(state, tokens[-1:]))[0])))

@@ -208,7 +208,7 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
 
     started = time.perf_counter()
     stats.ran(apply_route())
-    hidden = model.forward(state, prompt_ids)
+    hidden = model.forward(state, prompt_ids, last_only=not drafter.reads_prompt_hidden)
     first = sampler.pick(model.logits(hidden[-1:])[0], generated)
     stats.prefill_seconds = time.perf_counter() - started
     event, reason = emit([first], None)

@@ -91,6 +91,7 @@ class NoDrafter:
 
     name = "none"
     depth_cap = 0  # most drafts a cycle may ask for
+    reads_prompt_hidden = False  # start() needs the hidden state of every prompt row, not the last one only
 
     def start(self, prompt: list[int], hidden: np.ndarray, first: int) -> None:
         pass
@@ -128,6 +129,7 @@ class MTPDrafter:
 
     name = "mtp"
     depth_cap = 4
+    reads_prompt_hidden = True
 
     def __init__(self, model: Model):
         self.model = model

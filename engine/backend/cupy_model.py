@@ -374,8 +374,9 @@ class GpuModel:
     def new_state(self, kv: str = "full") -> GpuState:
         return GpuState([layer.mixer.new_cache(kv) for layer in self.layers])
 
-    def forward(self, state: GpuState, tokens) -> cp.ndarray:
-        """Run T new tokens; returns the post-final-norm hidden states [T, H] (device) and advances state."""
+    def forward(self, state: GpuState, tokens, last_only: bool = False) -> cp.ndarray:
+        """Run T new tokens; returns the post-final-norm hidden states [T, H] (device) and advances state.
+        last_only: the last row only [1, H]; computed like the others (the CPU model skips work there)."""
         ids = np.asarray(tokens, dtype=np.int32)
         T = len(ids)
         state.reserve(state.length + T)
@@ -386,7 +387,7 @@ class GpuModel:
             rows = Rows.at(state.length, T)
             hidden = self._layers(self.embed(cp.asarray(ids)), state.layers, rows)
         state.advance(T)
-        return hidden
+        return hidden[-1:] if last_only else hidden
 
     def _short(self, state: GpuState, T: int) -> cp.ndarray:
         graph = self.cycle_graph(state, T)

@@ -10,6 +10,7 @@ import torch
 
 from conftest import add_random_mtp_head, build_reference, save_reference, split_fused_experts
 from engine import GenerateOptions, Tokens, generate, load_model
+from engine.backend.cpu import ROWWISE_MAX
 from engine.checkpoint.hf import load_hf_model
 from engine.checkpoint.safetensors import SafetensorsCheckpoint
 from engine.config import ModelConfig
@@ -60,6 +61,29 @@ def test_prefill_and_decode_logits_match_transformers(tmp_path, kind, tie, per_e
     for i in range(PROMPT_LEN, len(ids)):
         step = model.logits(model.forward(state, ids[i : i + 1]))[0]
         assert_close(step, expected[i])
+
+
+@pytest.mark.parametrize("kind,layers", [("qwen3_5_text", 5), ("qwen3_5_text", 4), ("qwen3_5_moe_text", 4)],
+                         ids=["deltanet-last", "attention-last", "moe-attention-last"])
+@pytest.mark.parametrize("prompt_len", [9, PROMPT_LEN], ids=["rows", "chunked"])
+def test_a_prefill_of_the_last_row_only_matches_and_leaves_the_same_caches(tmp_path, kind, layers, prompt_len):
+    ref = build_reference(kind, seed=5, num_hidden_layers=layers)
+    save_reference(ref, tmp_path, with_tokenizer=False)
+    model = load_ours(tmp_path)
+    ids = np.random.default_rng(2).integers(0, ref.config.get_text_config().vocab_size, prompt_len + 4)
+    expected = reference_logits(ref, ids)
+
+    every, last = model.new_state(), model.new_state()
+    every_row = model.forward(every, ids[:prompt_len])
+    last_row = model.forward(last, ids[:prompt_len], last_only=True)
+    assert last_row.shape == (1, model.config.hidden_size)
+    assert_close(model.logits(last_row)[0], expected[prompt_len - 1])
+    if prompt_len <= ROWWISE_MAX:  # each row computed on its own either way
+        assert np.array_equal(last_row, every_row[-1:])
+    for i in range(prompt_len, len(ids)):  # every cache took every row: the steps after agree bit for bit
+        step = model.logits(model.forward(last, ids[i : i + 1]))
+        assert np.array_equal(step, model.logits(model.forward(every, ids[i : i + 1])))
+        assert_close(step[0], expected[i])
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_next"])
