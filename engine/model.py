@@ -35,10 +35,17 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
     def rows(lo: int, hi: int) -> None:
         part = x[lo:hi]
-        np.multiply(part / np.sqrt(np.mean(part * part, axis=-1, keepdims=True) + eps), weight, out=out[lo:hi])
+        np.multiply(part, 1 / np.sqrt(sum_of_squares(part) / np.float32(x.shape[-1]) + eps), out=out[lo:hi])
+        out[lo:hi] *= weight
 
     in_parallel(rows, x.shape[0], split=x.ndim > 1 and x.shape[0] > ROWWISE_MAX)
     return out
+
+
+def sum_of_squares(x: np.ndarray) -> np.ndarray:
+    """Over the last axis, keeping it (length 1). One pass with no temporary the size of x: a
+    DeltaNet gated norm over [128, 8, 128] took 0.32 ms with mean(x * x), 0.13 ms this way."""
+    return np.einsum("...i,...i->...", x, x)[..., None]
 
 
 def silu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -62,7 +69,7 @@ def softplus(x: np.ndarray) -> np.ndarray:
 
 
 def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+    return x * (1 / np.sqrt(sum_of_squares(x) + eps))
 
 
 def decay(log_decay: np.ndarray) -> np.ndarray:
@@ -226,6 +233,12 @@ class DeltaNet:
         return self.out_proj(out.reshape(T, hv * dv)[T - 1 if last_only else 0 :])
 
 
+# Tokens a causal-conv block covers: the K taps and SiLU's passes over [16, 3072] (a core's half of
+# the 0.8B geometry's channels) stay in L2, where passes over all 128 tokens went out to memory
+# (one core: 3.00 -> 1.86 ms for [128, 6144]).
+CONV_ROWS = 16
+
+
 def causal_conv(mixed: np.ndarray, taps: np.ndarray, state: DeltaNetState) -> np.ndarray:
     """Depthwise causal conv over time then SiLU; mixed [T, C], taps [C, K]. Updates state.conv."""
     T, K = mixed.shape[0], taps.shape[1]
@@ -234,11 +247,13 @@ def causal_conv(mixed: np.ndarray, taps: np.ndarray, state: DeltaNetState) -> np
     out = np.empty_like(mixed)
 
     def channels(lo: int, hi: int) -> None:
-        o = out[:, lo:hi]
-        np.multiply(window[:T, lo:hi], taps_by_lag[0, lo:hi], out=o)
-        for j in range(1, K):
-            o += window[j : j + T, lo:hi] * taps_by_lag[j, lo:hi]
-        silu(o, out=o)
+        for t0 in range(0, T, CONV_ROWS):  # each block's passes stay in cache
+            t1 = min(T, t0 + CONV_ROWS)
+            o = out[t0:t1, lo:hi]
+            np.multiply(window[t0:t1, lo:hi], taps_by_lag[0, lo:hi], out=o)
+            for j in range(1, K):
+                o += window[t0 + j : t1 + j, lo:hi] * taps_by_lag[j, lo:hi]
+            silu(o, out=o)
 
     in_parallel(channels, mixed.shape[1], split=T > ROWWISE_MAX)
     state.window = window if T <= ROWWISE_MAX else None  # kept for a verify rollback only
