@@ -8,8 +8,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +56,36 @@ def _parts() -> int:
 
 
 PARTS = _parts()
-_WORKERS = ThreadPoolExecutor(max_workers=max(1, PARTS - 1), thread_name_prefix="duet-numpy")
+
+
+class _Worker:
+    """A thread that runs the parts it is handed, one at a time, and reports each on `done`: None,
+    or the exception the part raised. Two plain queues hand a part over and back in ~16 us, where a
+    ThreadPoolExecutor's futures took ~107 us, ~230 times a prefill (20 ms of the 0.8B geometry's
+    ~0.9 s on two cores)."""
+
+    def __init__(self, name: str):
+        self.parts: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            work, lo, hi, done = self.parts.get()
+            try:
+                work(lo, hi)
+            except BaseException as error:  # handed to the caller, which raises it
+                done.put(error)
+            else:
+                done.put(None)
+
+
+_workers: list[_Worker] = []  # started on first use, one per part beyond the caller's
+
+
+def _worker(i: int) -> _Worker:
+    while len(_workers) <= i:
+        _workers.append(_Worker(f"duet-numpy-{len(_workers)}"))
+    return _workers[i]
 
 
 def one_blas_thread():
@@ -82,14 +111,17 @@ def in_parallel(work, n: int, split: bool = True) -> None:
         return
     try:
         bounds = [n * i // parts for i in range(parts + 1)]
+        done: queue.SimpleQueue = queue.SimpleQueue()
         with one_blas_thread():
-            others = [_WORKERS.submit(work, lo, hi) for lo, hi in zip(bounds[:-2], bounds[1:-1])]
+            for i in range(parts - 1):
+                _worker(i).parts.put((work, bounds[i], bounds[i + 1], done))
             try:
                 work(bounds[-2], n)
             finally:
-                wait(others)
-            for other in others:
-                other.result()  # a part's exception, raised here
+                errors = [done.get() for _ in range(parts - 1)]  # every part has ended
+        for error in errors:
+            if error is not None:
+                raise error
     finally:
         _SPLITTING.release()
 
