@@ -187,7 +187,10 @@ def ours_engine(model: Model) -> Engine:
 def transformers_engine(model) -> Engine:
     """Cached greedy decode by hand (not `generate()`), so both engines do the same work.
 
-    Prefill keeps the logits of the last row only (`logits_to_keep=1`), as ours does.
+    Prefill keeps the logits of the last row only (`logits_to_keep=1`). Ours goes one step further,
+    as the app's own prefill does when no MTP drafter reads the prompt rows: its last layer runs the
+    query, output projection and feed-forward for the last row alone (Model.forward's last_only,
+    3.5% of the products of a 0.8B prefill); transformers offers no such switch.
     """
     import torch
     from transformers import DynamicCache
