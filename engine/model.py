@@ -75,7 +75,7 @@ def l2_normalize(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
 def decay(log_decay: np.ndarray) -> np.ndarray:
     """e^x for a (cumulative) log-decay x <= 0, exactly 0 below e^DECAY_FLOOR.
 
-    Once a head's decay summed over a 64-token chunk passes -87, a plain exp gives denormal floats,
+    Once a head's decay summed over a chunk passes -87, a plain exp gives denormal floats,
     and every multiply and matmul that touches them runs up to ~100x slower on x86. Factors under
     e^DECAY_FLOOR are invisible in fp32 next to the O(1) in-chunk terms, so flushing them changes nothing.
     """
