@@ -103,3 +103,23 @@ def test_the_feature_major_product_is_the_transposed_product(linear, rows, monke
     monkeypatch.setattr(cpu, "PARTS", 2)
     by_feature = layer.by_feature(x)
     assert by_feature.flags.c_contiguous and np.array_equal(by_feature, layer(x).T)
+
+
+@pytest.mark.parametrize("layout", ["token-major", "feature-major"])
+def test_a_long_prefill_split_by_tokens_gives_the_bits_of_one_product(layout, monkeypatch):
+    """Past TOKEN_SPLIT_MIN tokens each core takes a run of tokens: the bits equal one unsplit
+    product and the weight-row split's, whether x comes token-major or as a transposed
+    feature-major array (as the MLP's down projection gets it)."""
+    rng = np.random.default_rng(5)
+    layer = cpu.DenseLinear(rng.standard_normal((640, 256), dtype=np.float32))
+    x = rng.standard_normal((300, 256), dtype=np.float32)
+    if layout == "feature-major":
+        x = np.ascontiguousarray(x.T).T
+    monkeypatch.setattr(cpu, "TOKEN_SPLIT_MIN", 64)
+    monkeypatch.setattr(cpu, "PARTS", 1)
+    whole = layer(x)
+    by_rows = layer.by_feature(x).T
+    for parts in (2, 3):
+        monkeypatch.setattr(cpu, "PARTS", parts)
+        assert np.array_equal(layer(x), whole)
+    assert np.array_equal(by_rows, whole)
