@@ -110,15 +110,14 @@ class Attention:
         last only (its query, gate and o_proj are then the only ones computed)."""
         c = self.config
         T, heads, kv_heads, hd = x.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        wanted = slice(T - 1, T) if last_only else slice(0, T)  # rows whose output is returned
-        first = wanted.start
-        q_and_gate = self.q_proj(x[wanted]).reshape(T - first, heads, 2 * hd)
+        first = T - 1 if last_only else 0  # rows [first, T) are the ones whose output is returned
+        q_and_gate = self.q_proj(x[first:]).reshape(T - first, heads, 2 * hd)
         q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(T - first, heads * hd)
         q = rms_norm(q, self.q_norm, c.rms_norm_eps)
         k = rms_norm(self.k_proj(x).reshape(T, kv_heads, hd), self.k_norm, c.rms_norm_eps)
         v = self.v_proj(x).reshape(T, kv_heads, hd)
         cos, sin = rope_tables(np.arange(start, start + T), c.rotary_dim, c.rope_theta)
-        q, k = apply_rope(q, cos[wanted], sin[wanted]), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos[first:], sin[first:]), apply_rope(k, cos, sin)
         k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [kv, T, hd]
         past = cache.length
         if T <= ROWWISE_MAX:  # each row exactly as its own decode step would compute it
