@@ -10,6 +10,7 @@ import functools
 import os
 import queue
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,9 +61,8 @@ PARTS = _parts()
 
 class _Worker:
     """A thread that runs the parts it is handed, one at a time, and reports each on `done`: None,
-    or the exception the part raised. Two plain queues hand a part over and back in ~16 us, where a
-    ThreadPoolExecutor's futures took ~107 us, ~230 times a prefill (20 ms of the 0.8B geometry's
-    ~0.9 s on two cores)."""
+    or the exception the part raised. A plain queue each way: a no-op split took 43 us so, 107 us
+    with a ThreadPoolExecutor's futures; a 0.8B prefill splits ~230 times."""
 
     def __init__(self, name: str):
         self.parts: queue.SimpleQueue = queue.SimpleQueue()
@@ -88,12 +88,26 @@ def _worker(i: int) -> _Worker:
     return _workers[i]
 
 
+_blas_limited = threading.local()  # .depth: one_blas_thread contexts the thread is inside
+
+
+@contextmanager
 def one_blas_thread():
     """Context: numpy's BLAS on the calling thread only. Prefill runs under it as a whole, so no
     product wakes OpenBLAS's workers, which would then spin for ~0.1 s on the cores the parts need
     (the causal conv right after a two-thread GEMM took 6.0 ms, median, against 3.0 ms when the
-    workers slept at once)."""
-    return BLAS.limit(limits=1, user_api="blas")
+    workers slept at once). Inside one already (every split of a prefill), it costs nothing: setting
+    and restoring the limit took ~9 us, ~230 times a prefill."""
+    depth = getattr(_blas_limited, "depth", 0)
+    _blas_limited.depth = depth + 1
+    try:
+        if depth:
+            yield
+        else:
+            with BLAS.limit(limits=1, user_api="blas"):
+                yield
+    finally:
+        _blas_limited.depth = depth
 
 
 _SPLITTING = threading.Lock()  # held while a split runs: a split inside one, or beside one, runs whole

@@ -56,6 +56,22 @@ def test_a_parts_error_is_raised_to_the_caller(monkeypatch):
     cpu.in_parallel(lambda lo, hi: None, 8)  # the lock was released
 
 
+def blas_threads() -> int:
+    return min(lib.num_threads for lib in cpu.BLAS.select(user_api="blas").lib_controllers)
+
+
+def test_one_blas_thread_holds_until_the_outermost_context_leaves():
+    """A split inside a prefill enters the context again: leaving the inner one keeps the limit."""
+    before = blas_threads()
+    with cpu.one_blas_thread():
+        with cpu.one_blas_thread():
+            assert blas_threads() == 1
+        assert blas_threads() == 1
+        cpu.in_parallel(lambda lo, hi: None, 8)
+        assert blas_threads() == 1
+    assert blas_threads() == before
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     folder = save_reference(build_reference("qwen3_5_text", seed=3), tmp_path_factory.mktemp("parallel") / "m")
