@@ -30,10 +30,9 @@ import numpy as np
 from app.bench_gpu import add_gpu_command
 from app.bench_trellis import add_trellis_command
 from app.bench_spec import add_spec_command
-from engine.checkpoint.hf import load_hf_model
-from engine.checkpoint.safetensors import SafetensorsCheckpoint
 from engine.config import FULL_ATTENTION, ModelConfig
 from engine.errors import DuetError
+from engine.loader import load_model, open_model
 from engine.model import Model
 
 PROMPT_SEED = 0
@@ -154,10 +153,7 @@ def openblas_default_threads() -> int:
 
 
 def load_ours(model_dir: Path, config: ModelConfig) -> Model:
-    checkpoint = SafetensorsCheckpoint(model_dir)
-    model = load_hf_model(checkpoint, config)
-    checkpoint.close()
-    return model
+    return load_model(model_dir, route="bf16", tokenizer=False, backend="cpu").model
 
 
 def load_transformers(model_dir: Path):
@@ -410,8 +406,6 @@ def add_quality_command(benchmarks) -> None:
 
 
 def run_quality_bench(args: argparse.Namespace) -> int:
-    from engine.loader import load_model
-
     reference = load_model(args.model)
     ids = reference.tokenizer.encode(QUALITY_TEXT)[: args.tokens]
     expected = forward_logits(reference.model, ids)
@@ -460,24 +454,19 @@ def add_routes_command(benchmarks) -> None:
 
 
 def run_routes_bench(args: argparse.Namespace) -> int:
-    from engine.checkpoint.quantized import read_quantization
-    from engine.checkpoint.trellis_files import read_trellis
-
     model_dir = Path(args.model).expanduser()
     if not model_dir.is_dir():
         raise DuetError(f"{model_dir}: no such model folder; pass --model with a folder holding config.json")
-    config = ModelConfig.from_file(model_dir / "config.json")
-    checkpoint = SafetensorsCheckpoint(model_dir)
-    quantized = read_trellis(checkpoint) or read_quantization(model_dir, checkpoint)
-    available = quantized.routes if quantized else ("bf16",)
+    opened = open_model(model_dir, tokenizer=False)  # headers only
+    opened.checkpoint.close()
+    config, available = opened.config, opened.routes
     result = {"benchmark": "routes", "model": str(model_dir.resolve()), "geometry": geometry(config),
               "threads": blas_threads(), "new_tokens": args.new_tokens, "routes": {}}
     prompt = random_prompt(config.vocab_size, WARMUP_PROMPT_TOKENS)
     for route in available:
-        model = load_hf_model(checkpoint, config, route=route, quantized=quantized)
+        model = load_model(model_dir, route=route, tokenizer=False, backend="cpu").model
         result["routes"][route] = {**gemv_rate(model, args.repeats), "decode_tok_s": decode_rate(model, prompt, args.new_tokens)}
         del model
-    checkpoint.close()
     print(json.dumps(result) if args.json else routes_table(result))
     return 0
 

@@ -409,9 +409,9 @@ def _gguf_deltanet(c: ModelConfig, arch: str, b: str, d: str, get, put) -> None:
     hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     qk = 2 * hk * dk
     if arch == "qwen3next":
-        from engine.checkpoint.hf import _qwen3_next_rows
+        from engine.checkpoint.hf import qwen3_next_rows
 
-        (qkv_rows, z_rows), _ = _qwen3_next_rows(c)
+        (qkv_rows, z_rows), _ = qwen3_next_rows(c)
         put(b + "attn_qkv.weight", lambda: get(d + "in_proj_qkvz.weight")[qkv_rows])
         put(b + "attn_gate.weight", lambda: get(d + "in_proj_qkvz.weight")[z_rows])
         put(b + "ssm_ba.weight", lambda: get(d + "in_proj_ba.weight"))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.backend.cpu import ROWWISE_MAX
+from engine.backend import MAX_ROWS
 
 
 class KVCache:
@@ -67,10 +67,10 @@ class Q4KVCache:
         self.signs = np.random.default_rng(seed).choice([-1.0, 1.0], head_dim).astype(np.float32)
         self.codes = np.zeros((kv_heads, 0, head_dim // 2, 2), np.uint8)
         self.scales = np.zeros((kv_heads, 0, head_dim // Q4_GROUP, 2), np.float16)
-        # Exact rows: the sink, and a ring of the latest RECENT_ROWS + ROWWISE_MAX rows, enough for
+        # Exact rows: the sink, and a ring of the latest RECENT_ROWS + MAX_ROWS rows, enough for
         # any query of a verify pass and for a rollback of one.
         self.sink = np.zeros((kv_heads, SINK_ROWS, head_dim, 2), np.float32)
-        self.ring = np.zeros((kv_heads, RECENT_ROWS + ROWWISE_MAX, head_dim, 2), np.float32)
+        self.ring = np.zeros((kv_heads, RECENT_ROWS + MAX_ROWS, head_dim, 2), np.float32)
         self.length = 0
 
     def append(self, keys: np.ndarray, values: np.ndarray) -> None:

@@ -1,4 +1,7 @@
-"""load_model: a model folder or GGUF file -> weights in memory, tokenizer and config, with progress events."""
+"""load_model, the one way to load: open (config, tokenizer, headers) -> plan and check -> read -> assemble.
+
+A model folder or GGUF file becomes weights in memory, a tokenizer and a config, with progress events.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +10,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.backend.cpu import resolve_route
+from engine.assemble import assemble
 from engine.backend.select import backend_name, gpu_geometry_problem
 from engine.checkpoint.gguf import GGUFCheckpoint, find_gguf
-from engine.checkpoint.hf import ModelWeights, TensorPlan, read_weights
+from engine.checkpoint.hf import TensorPlan, read_weights
 from engine.checkpoint.quantized import read_quantization
 from engine.checkpoint.trellis_files import read_trellis
 from engine.checkpoint.safetensors import SafetensorsCheckpoint
 from engine.config import ModelConfig
-from engine.errors import DuetError
+from engine.errors import CheckpointError, DuetError
 from engine.model import Model
 from engine.tokenizer import Tokenizer
+from engine.weights import ModelWeights
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class LoadedModel:
     path: Path
     config: ModelConfig
     model: Model
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None when load_model was asked for the network alone
     route: str
     routes: tuple[str, ...] = ()  # every route this checkpoint can run, the natural one first
     weights: ModelWeights | None = field(default=None, repr=False)  # kept when there is another route to build
@@ -50,28 +54,31 @@ class LoadedModel:
             return
         if route not in self.routes or self.weights is None:
             raise DuetError(f"{self.name} cannot run the {route} route; it runs {' or '.join(self.routes)}")
-        self.model.take_weights(self.weights.assemble(route, self.host_tables))
+        self.model.take_weights(assemble(self.weights, route, self.host_tables))
         self.route = route
 
 
 def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None = None,
-               route: str = "auto", host_tables: bool = False) -> LoadedModel:
+               route: str = "auto", host_tables: bool = False, tokenizer: bool = True,
+               backend: str | None = None) -> LoadedModel:
     """Read config, tokenizer and the tensors the text model needs (never the vision tower).
 
     `path` is a model folder (safetensors: bf16, or INT4 compressed-tensors / GPTQ) or a .gguf file
     (or a folder holding one). `route` is bf16, w4a16, w4a8, or auto for the checkpoint's natural
     one. Headers, shapes, the route and the tokenizer are all checked before any weight data is
     read, so a bad file fails fast with one line naming it. `host_tables`: see engine/heads.py.
+    `tokenizer=False` loads the network alone (benchmarks and tests of checkpoints saved without one).
+    `backend`: cpu, cupy or auto; None takes DUET_BACKEND (auto when unset).
     """
-    opened = open_model(path)
+    opened = open_model(path, tokenizer)
     report = (lambda done, total: progress(LoadProgress(done, total))) if progress else None
     try:
         chosen = resolve_route(route, opened.routes, opened.description, opened.location)
-        backend = choose_backend(opened.config, opened.location)
+        chosen_backend = choose_backend(opened.config, opened.location, backend)
         weights = read_weights(opened.checkpoint, opened.config, report, opened.quantized, host_tables)
     finally:
         opened.checkpoint.close()
-    model = on_backend(weights.assemble(chosen, host_tables), backend, opened.location)
+    model = on_backend(assemble(weights, chosen, host_tables), chosen_backend, opened.location)
     return LoadedModel(opened.name, opened.location, opened.config, model,
                        opened.tokenizer, route=chosen, routes=opened.routes,
                        weights=weights if len(opened.routes) > 1 else None, host_tables=host_tables)
@@ -80,10 +87,10 @@ def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None
 BACKEND_ENV = "DUET_BACKEND"  # cpu or cupy forces a backend; unset or auto: cupy where a GPU and CuPy are
 
 
-def choose_backend(config: ModelConfig, source: Path) -> str:
-    """`cpu` or `cupy` for this model: DUET_BACKEND if set, else the GPU when there is one and our
-    kernels take the model's geometry."""
-    requested = os.environ.get(BACKEND_ENV, "auto")
+def choose_backend(config: ModelConfig, source: Path, requested: str | None = None) -> str:
+    """`cpu` or `cupy` for this model: as requested, else DUET_BACKEND if set, else the GPU when
+    there is one and our kernels take the model's geometry."""
+    requested = requested or os.environ.get(BACKEND_ENV, "auto")
     try:
         name = backend_name(requested)
     except ValueError as error:
@@ -126,28 +133,38 @@ class OpenedModel:
     name: str
     location: Path
     config: ModelConfig
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None
     checkpoint: SafetensorsCheckpoint | GGUFCheckpoint
     quantized: object  # the checkpoint's quantization (INT4 or GGUF blocks), None for float weights
     routes: tuple[str, ...]
     description: str
 
 
-def open_model(path: str | Path) -> OpenedModel:
+def open_model(path: str | Path, tokenizer: bool = True) -> OpenedModel:
     model_path = Path(path).expanduser()
     gguf_file = find_gguf(model_path)
     if gguf_file is not None:
         checkpoint = GGUFCheckpoint(gguf_file)
         location = gguf_file.resolve()
-        return OpenedModel(location.stem, location, checkpoint.config, checkpoint.tokenizer(), checkpoint,
-                           checkpoint.quantized, checkpoint.routes, checkpoint.description)
+        return OpenedModel(location.stem, location, checkpoint.config, checkpoint.tokenizer() if tokenizer else None,
+                           checkpoint, checkpoint.quantized, checkpoint.routes, checkpoint.description)
     if not model_path.is_dir():
         raise DuetError(f"{model_path}: not a model folder or .gguf file; give a folder holding config.json "
                         "or a .gguf file")
     config = ModelConfig.from_file(model_path / "config.json")
-    tokenizer = Tokenizer.from_dir(model_path, extra_eos_ids=config.eos_token_ids)
+    text = Tokenizer.from_dir(model_path, extra_eos_ids=config.eos_token_ids) if tokenizer else None
     checkpoint = SafetensorsCheckpoint(model_path)
     quantized = read_trellis(checkpoint) or read_quantization(model_path, checkpoint)
     routes, description = (quantized.routes, quantized.description) if quantized else (("bf16",), "bf16 safetensors")
     location = model_path.resolve()
-    return OpenedModel(location.name, location, config, tokenizer, checkpoint, quantized, routes, description)
+    return OpenedModel(location.name, location, config, text, checkpoint, quantized, routes, description)
+
+
+def resolve_route(requested: str, available: tuple[str, ...], description: str, source) -> str:
+    """`auto` -> the checkpoint's natural route (first of available); a route it cannot run -> one line."""
+    if requested == "auto":
+        return available[0]
+    if requested not in available:
+        others = " or ".join(available)
+        raise CheckpointError(source, f"route {requested} cannot run {description} weights; use --route {others}")
+    return requested

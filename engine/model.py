@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.backend.cpu import ROWWISE_MAX, in_parallel, one_blas_thread, reuse_freed_memory
+from engine.backend import MAX_ROWS, threads
+from engine.backend.threads import in_parallel, one_blas_thread
 from engine.cache import DeltaNetState, KVCache, Q4KVCache, SequenceState
 from engine.config import ModelConfig
 
@@ -38,7 +39,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         np.multiply(part, 1 / np.sqrt(sum_of_squares(part) / np.float32(x.shape[-1]) + eps), out=out[lo:hi])
         out[lo:hi] *= weight
 
-    in_parallel(rows, x.shape[0], split=x.ndim > 1 and x.shape[0] > ROWWISE_MAX)
+    in_parallel(rows, x.shape[0], split=x.ndim > 1 and x.shape[0] > MAX_ROWS)
     return out
 
 
@@ -120,7 +121,7 @@ class Attention:
         q, k = apply_rope(q, cos[first:], sin[first:]), apply_rope(k, cos, sin)
         k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [kv, T, hd]
         past = cache.length
-        if T <= ROWWISE_MAX:  # each row exactly as its own decode step would compute it
+        if T <= MAX_ROWS:  # each row exactly as its own decode step would compute it
             cache.append(k, v)
             out = np.concatenate([attend(q[i : i + 1], *cache.rows(past + t + 1), past + t)
                                   for i, t in enumerate(range(first, T))])
@@ -205,7 +206,7 @@ class DeltaNet:
         z = projected[:, channels : channels + hv * dv].reshape(T, hv, dv)
         b, a = projected[:, -2 * hv : -hv], projected[:, -hv:]  # [T, Hv]
         out = np.empty((T, hv, dv), np.float32)
-        S = np.empty_like(state.recurrent) if T > ROWWISE_MAX else None  # after a prefill, filled head by head
+        S = np.empty_like(state.recurrent) if T > MAX_ROWS else None  # after a prefill, filled head by head
 
         def heads(lo: int, hi: int) -> None:
             """Key heads [lo, hi) and their value heads: every step here is per head."""
@@ -217,7 +218,7 @@ class DeltaNet:
             log_decay = self.decay_rate[vlo:vhi] * softplus(a[:, vlo:vhi] + self.dt_bias[vlo:vhi])  # g <= 0
             q = np.repeat(l2_normalize(q), per_key, axis=1) * dk**-0.5
             k = np.repeat(l2_normalize(k), per_key, axis=1)
-            if T <= ROWWISE_MAX:
+            if T <= MAX_ROWS:
                 o = delta_rule_rows(q, k, v, beta, log_decay, state)
             else:
                 o, S[vlo:vhi] = delta_rule_chunked(q, k, v, beta, log_decay, state.recurrent[vlo:vhi])
@@ -226,8 +227,8 @@ class DeltaNet:
         # The chunked rule's hundreds of small products run on one BLAS thread per part of the heads:
         # two BLAS threads only wait on each other there (2.5 s against 0.02 s single-threaded for
         # 128 tokens x 16 heads on two busy cores). Splitting the heads: 13% of a prefill on two cores.
-        in_parallel(heads, hk, split=T > ROWWISE_MAX)
-        if T > ROWWISE_MAX:
+        in_parallel(heads, hk, split=T > MAX_ROWS)
+        if T > MAX_ROWS:
             state.recurrent = S
         return self.out_proj(out.reshape(T, hv * dv)[T - 1 if last_only else 0 :])
 
@@ -254,8 +255,8 @@ def causal_conv(mixed: np.ndarray, taps: np.ndarray, state: DeltaNetState) -> np
                 o += window[t0 + j : t1 + j, lo:hi] * taps_by_lag[j, lo:hi]
             silu(o, out=o)
 
-    in_parallel(channels, mixed.shape[1], split=T > ROWWISE_MAX)
-    state.window = window if T <= ROWWISE_MAX else None  # kept for a verify rollback only
+    in_parallel(channels, mixed.shape[1], split=T > MAX_ROWS)
+    state.window = window if T <= MAX_ROWS else None  # kept for a verify rollback only
     state.conv = window[T:].copy()
     return out
 
@@ -378,7 +379,7 @@ class MLP:
         def features(lo: int, hi: int) -> None:
             np.multiply(silu(gate_up[lo:hi]), gate_up[inner + lo : inner + hi], out=hidden[lo:hi])
 
-        in_parallel(features, inner, split=x.shape[0] > ROWWISE_MAX)
+        in_parallel(features, inner, split=x.shape[0] > MAX_ROWS)
         return self.down(hidden.T)
 
 
@@ -443,7 +444,7 @@ class Model:
         self.lm_head = lm_head  # Linear [V, H], or a head of engine/heads.py
         self.mtp = mtp
         self.draft_head = draft_head  # logits over the draft shortlist (engine/heads.py); None: lm_head
-        reuse_freed_memory()
+        threads.start()
 
     def take_weights(self, other: Model) -> None:
         """Run from now on with other's layers and heads (the same checkpoint under another route).
@@ -470,7 +471,7 @@ class Model:
         """
         x = self.embed[np.asarray(tokens, dtype=np.int64)]
         last = len(self.layers) - 1
-        with one_blas_thread() if len(tokens) > ROWWISE_MAX else nullcontext():  # prefill splits work itself
+        with one_blas_thread() if len(tokens) > MAX_ROWS else nullcontext():  # prefill splits work itself
             for i, (layer, cache) in enumerate(zip(self.layers, state.layers)):
                 x = layer(x, cache, state.length, last_only and i == last)
         state.length_before_last_call = state.length

@@ -26,7 +26,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from engine.backend.cpu import ROWWISE_MAX
+from engine.backend import MAX_ROWS
 from engine.cache import Q4_GROUP, RECENT_ROWS, SINK_ROWS
 from engine.checkpoint.headers import CheckpointHeaders
 from engine.checkpoint.safetensors import TensorInfo
@@ -268,7 +268,7 @@ def kv_row_bytes(c: ModelConfig, kv: str) -> float:
 def kv_exact_rows(kv: str) -> int:
     """Rows a quantized cache also keeps exact: the sink, and a ring of the recent window plus one
     verify pass (engine.cache.Q4KVCache's layout)."""
-    return 0 if kv == "bf16" else SINK_ROWS + RECENT_ROWS + ROWWISE_MAX
+    return 0 if kv == "bf16" else SINK_ROWS + RECENT_ROWS + MAX_ROWS
 
 
 def kv_cache_bytes(c: ModelConfig, kv: str, context: int, layers: int) -> int:

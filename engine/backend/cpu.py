@@ -5,146 +5,15 @@ Routes (DESIGN.md contracts): `bf16` DenseLinear, `w4a16` W4A16Linear, `w4a8` W4
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import os
-import queue
-import threading
-from contextlib import contextmanager
-from dataclasses import dataclass
-
 import numpy as np
-from threadpoolctl import ThreadpoolController
 
-from engine.errors import CheckpointError
+from engine.backend import MAX_ROWS
+from engine.backend.threads import in_parallel
 from engine.quant.activation import ACT_BLOCK, quantize_int8_blocks, round_to_bf16
 from engine.quant.gguf_blocks import BlockMatrix
 from engine.quant.trellis import TrellisWeight, rotated_int8_activations
 from engine.quant.w4 import GROUP, W4Weight
-
-
-@functools.cache
-def reuse_freed_memory() -> None:
-    """Let glibc keep freed activation buffers for reuse instead of handing them back to the OS.
-
-    A prefill step makes and frees temporaries of a few MB each. By default glibc returns the top of
-    the heap to the OS once 2x the largest recently freed block is free there, so every elementwise op
-    page-faults its output in again: silu over [128, 6144] took 2.6 ms that way, 1.2 ms with this.
-    Blocks of 32 MB and more (weights, long prompts) still come from mmap and go back when freed;
-    at most 256 MB of freed heap is kept. Process-wide, once; a no-op where libc has no mallopt.
-    """
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # the C library the interpreter runs on
-    except (OSError, AttributeError):
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
-    mallopt(M_MMAP_THRESHOLD, 32 << 20)
-    mallopt(M_TRIM_THRESHOLD, 256 << 20)
-
-
-# Prefill splits its work into one part per core. ufunc loops and BLAS calls release the GIL, so
-# Python threads are enough: SiLU and the causal conv over [128, 6144] take 2.2 ms on two cores
-# against 3.8 ms on one. Results are bit-identical however the work is split: each element, row or
-# head is computed by the same code either way. The parts follow the thread count numpy's BLAS was
-# given (OPENBLAS_NUM_THREADS; one thread per core by default) and the cores this process may use.
-BLAS = ThreadpoolController()
-
-
-def _parts() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    blas_threads = min((lib.num_threads for lib in BLAS.select(user_api="blas").lib_controllers), default=1)
-    return max(1, min(cores, blas_threads))
-
-
-PARTS = _parts()
-
-
-class _Worker:
-    """A thread that runs the parts it is handed, one at a time, and reports each on `done`: None,
-    or the exception the part raised. A plain queue each way: a no-op split took 43 us so, 107 us
-    with a ThreadPoolExecutor's futures; a 0.8B prefill splits ~230 times."""
-
-    def __init__(self, name: str):
-        self.parts: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            work, lo, hi, done = self.parts.get()
-            try:
-                work(lo, hi)
-            except BaseException as error:  # handed to the caller, which raises it
-                done.put(error)
-            else:
-                done.put(None)
-
-
-_workers: list[_Worker] = []  # started on first use, one per part beyond the caller's
-
-
-def _worker(i: int) -> _Worker:
-    while len(_workers) <= i:
-        _workers.append(_Worker(f"duet-numpy-{len(_workers)}"))
-    return _workers[i]
-
-
-_blas_limited = threading.local()  # .depth: one_blas_thread contexts the thread is inside
-
-
-@contextmanager
-def one_blas_thread():
-    """Context: numpy's BLAS on the calling thread only. Prefill runs under it as a whole, so no
-    product wakes OpenBLAS's workers, which would then spin for ~0.1 s on the cores the parts need
-    (the causal conv right after a two-thread GEMM took 6.0 ms, median, against 3.0 ms when the
-    workers slept at once). Inside one already (every split of a prefill), it costs nothing: setting
-    and restoring the limit took ~9 us, ~230 times a prefill."""
-    depth = getattr(_blas_limited, "depth", 0)
-    _blas_limited.depth = depth + 1
-    try:
-        if depth:
-            yield
-        else:
-            with BLAS.limit(limits=1, user_api="blas"):
-                yield
-    finally:
-        _blas_limited.depth = depth
-
-
-_SPLITTING = threading.Lock()  # held while a split runs: a split inside one, or beside one, runs whole
-
-
-def in_parallel(work, n: int, split: bool = True) -> None:
-    """work(lo, hi) over [0, n) in PARTS contiguous parts at once, when asked; n counts independent
-    items (rows, heads, channels). A decode step does not split: handing work to another thread
-    costs more than its few hundred elements. Each part runs its products on one BLAS thread (parts
-    of several BLAS threads each would put more threads than cores). One part per core beat finer
-    parts the threads take in turn: on two cores a prefill took 10% longer with 4 parts, 18% with 8."""
-    parts = min(PARTS, n)
-    if not split or parts < 2 or not _SPLITTING.acquire(blocking=False):
-        work(0, n)
-        return
-    try:
-        bounds = [n * i // parts for i in range(parts + 1)]
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        with one_blas_thread():
-            for i in range(parts - 1):
-                _worker(i).parts.put((work, bounds[i], bounds[i + 1], done))
-            try:
-                work(bounds[-2], n)
-            finally:
-                errors = [done.get() for _ in range(parts - 1)]  # every part has ended
-        for error in errors:
-            if error is not None:
-                raise error
-    finally:
-        _SPLITTING.release()
-
-
-# Up to this many rows (a decode step, or a speculative verify of 1 + drafts) each row is its own
-# matrix-vector product, so a row's result does not depend on how many rows came with it: a
-# verify row is bit-identical to the one-row decode step it stands for, and drafts can never flip
-# a greedy token on a near-tie. Longer inputs (prefill) take one matrix-matrix product.
-ROWWISE_MAX = 16
+from engine.weights import InputOrder
 
 
 # From this many tokens, a token-major prefill product splits its tokens between the cores rather
@@ -180,7 +49,7 @@ class DenseLinear(Linear):
         return self.weight.shape
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        if x.shape[0] <= ROWWISE_MAX:
+        if x.shape[0] <= MAX_ROWS:
             # BLAS reads W^T through the transposed view; no copy of the weight is made. Rows are
             # made contiguous first, so a row's result does not depend on the layout it came in.
             return np.stack([row @ self.weight.T for row in np.ascontiguousarray(x)])
@@ -195,7 +64,7 @@ class DenseLinear(Linear):
         return out
 
     def by_feature(self, x: np.ndarray) -> np.ndarray:
-        return super().by_feature(x) if x.shape[0] <= ROWWISE_MAX else self._product(x, token_major=False)
+        return super().by_feature(x) if x.shape[0] <= MAX_ROWS else self._product(x, token_major=False)
 
     def _product(self, x: np.ndarray, token_major: bool) -> np.ndarray:
         # Each core computes W @ x^T (the faster operand order in OpenBLAS: 19.3 against 21.6 ms for
@@ -333,7 +202,7 @@ def _trellis_rows(levels: np.ndarray, row_scale: np.ndarray, q: np.ndarray, act_
 
 
 def _by_chunks(weight, rows_fn, *inputs: np.ndarray) -> np.ndarray:
-    """Decode CHUNK_WEIGHTS weights at a time and apply rows_fn; up to ROWWISE_MAX rows one by one.
+    """Decode CHUNK_WEIGHTS weights at a time and apply rows_fn; up to MAX_ROWS rows one by one.
 
     inputs are per-row arrays [T, ...] (the activation in the route's form). The chunks are split
     between the cores even for one row: decoding a chunk is numpy work of milliseconds.
@@ -348,7 +217,7 @@ def _by_chunks(weight, rows_fn, *inputs: np.ndarray) -> np.ndarray:
         for start in starts[lo:hi]:
             stop = min(N, start + step)
             decoded = weight.decode_rows(start, stop)
-            if T <= ROWWISE_MAX:
+            if T <= MAX_ROWS:
                 for t in range(T):
                     out[t, start:stop] = rows_fn(*decoded, *(a[t : t + 1] for a in inputs))[0]
             else:
@@ -390,14 +259,6 @@ class PermutedInput(Linear):
         return self.linear(x[:, self.order])
 
 
-@dataclass(frozen=True)
-class InputOrder:
-    """A weight whose input columns are stored in another order: the model's x is gathered by `order`."""
-
-    weight: object
-    order: np.ndarray
-
-
 def make_linear(weight, route: str):
     """The route's Linear for a weight: fp32 arrays always run dense; quantized ones per route.
 
@@ -417,51 +278,3 @@ def make_linear(weight, route: str):
     if route == "w4a8":
         return W4A8Linear(weight)
     raise ValueError(f"route {route} cannot run {type(weight).__name__}")
-
-
-def stacked_linear(parts: list, route: str):
-    """One Linear over weight matrices stacked by rows (gate then up; q | k | v | z | b | a): each run
-    of consecutive parts in one storage form is merged into one matrix, and the runs run side by side."""
-    runs = [[parts[0]]]
-    for part in parts[1:]:
-        if _same_storage(runs[-1][0], part):
-            runs[-1].append(part)
-        else:
-            runs.append([part])
-    linears = [make_linear(_stack_rows(run), route) for run in runs]
-    return linears[0] if len(linears) == 1 else ConcatOutputs(linears)
-
-
-def _same_storage(a, b) -> bool:
-    if isinstance(a, np.ndarray) or isinstance(a, W4Weight):
-        return type(a) is type(b)
-    if isinstance(a, TrellisWeight):
-        return isinstance(b, TrellisWeight) and (a.k, a.seed, a.shape[1]) == (b.k, b.seed, b.shape[1])
-    if isinstance(a, BlockMatrix):
-        return isinstance(b, BlockMatrix) and (a.qtype, a.K) == (b.qtype, b.K)
-    return False  # InputOrder and the like run as they are
-
-
-def _stack_rows(run: list):
-    first = run[0]
-    if len(run) == 1:
-        return first
-    if isinstance(first, np.ndarray):
-        return np.concatenate(run)
-    if isinstance(first, W4Weight):
-        return W4Weight(np.concatenate([p.packed for p in run]), np.concatenate([p.scales for p in run]))
-    if isinstance(first, TrellisWeight):
-        # Tiles are stored row band by row band (trellis.to_tiles), so stacking rows concatenates tiles.
-        return TrellisWeight(np.concatenate([p.packed for p in run]), np.concatenate([p.row_scale for p in run]),
-                             (sum(p.shape[0] for p in run), first.shape[1]), first.k, first.seed)
-    return BlockMatrix(first.qtype, np.concatenate([p.raw for p in run]), first.K)
-
-
-def resolve_route(requested: str, available: tuple[str, ...], description: str, source) -> str:
-    """`auto` -> the checkpoint's natural route (first of available); a route it cannot run -> one line."""
-    if requested == "auto":
-        return available[0]
-    if requested not in available:
-        others = " or ".join(available)
-        raise CheckpointError(source, f"route {requested} cannot run {description} weights; use --route {others}")
-    return requested

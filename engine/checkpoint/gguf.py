@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-from engine.backend.cpu import InputOrder
+from engine.weights import InputOrder
 from engine.checkpoint.safetensors import TensorInfo, bf16_to_f32
 from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from engine.errors import CheckpointError

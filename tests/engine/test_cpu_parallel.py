@@ -1,4 +1,4 @@
-"""Prefill's work split between cores (engine.backend.cpu.in_parallel): every item once, nested
+"""Prefill's work split between cores (engine.backend.threads.in_parallel): every item once, nested
 splits run whole, errors surface, and results are bit-identical to one part's."""
 
 from __future__ import annotations
@@ -9,35 +9,34 @@ import numpy as np
 import pytest
 
 import engine.backend.cpu as cpu
+from engine.backend import threads
 from conftest import build_reference, save_reference
-from engine.checkpoint.hf import load_hf_model
-from engine.checkpoint.safetensors import SafetensorsCheckpoint
-from engine.config import ModelConfig
+from engine.loader import load_model
 from engine.quant.w4 import quantize_rtn
 
 
 def test_parts_cover_every_item_once_on_several_threads(monkeypatch):
-    monkeypatch.setattr(cpu, "PARTS", 2)
-    seen, threads = [], set()
+    monkeypatch.setattr(threads, "PARTS", 2)
+    seen, idents = [], set()
 
     def work(lo, hi):
         seen.extend(range(lo, hi))
-        threads.add(threading.get_ident())
+        idents.add(threading.get_ident())
 
-    cpu.in_parallel(work, 37)
+    threads.in_parallel(work, 37)
     assert sorted(seen) == list(range(37))
-    assert len(threads) == 2
+    assert len(idents) == 2
 
 
 def test_a_split_inside_a_split_runs_whole(monkeypatch):
     """The inner call must not wait for a worker the outer call is using (a deadlock)."""
-    monkeypatch.setattr(cpu, "PARTS", 2)
+    monkeypatch.setattr(threads, "PARTS", 2)
     inner_ranges = []
 
     def outer(lo, hi):
-        cpu.in_parallel(lambda a, b: inner_ranges.append((a, b)), 10)
+        threads.in_parallel(lambda a, b: inner_ranges.append((a, b)), 10)
 
-    runner = threading.Thread(target=cpu.in_parallel, args=(outer, 4))
+    runner = threading.Thread(target=threads.in_parallel, args=(outer, 4))
     runner.start()
     runner.join(timeout=30)
     assert not runner.is_alive(), "nested in_parallel deadlocked"
@@ -45,29 +44,29 @@ def test_a_split_inside_a_split_runs_whole(monkeypatch):
 
 
 def test_a_parts_error_is_raised_to_the_caller(monkeypatch):
-    monkeypatch.setattr(cpu, "PARTS", 2)
+    monkeypatch.setattr(threads, "PARTS", 2)
 
     def work(lo, hi):
         if lo == 0:  # the part a worker thread runs
             raise ValueError("part failed")
 
     with pytest.raises(ValueError, match="part failed"):
-        cpu.in_parallel(work, 8)
-    cpu.in_parallel(lambda lo, hi: None, 8)  # the lock was released
+        threads.in_parallel(work, 8)
+    threads.in_parallel(lambda lo, hi: None, 8)  # the lock was released
 
 
 def blas_threads() -> int:
-    return min(lib.num_threads for lib in cpu.BLAS.select(user_api="blas").lib_controllers)
+    return min(lib.num_threads for lib in threads.blas().select(user_api="blas").lib_controllers)
 
 
 def test_one_blas_thread_holds_until_the_outermost_context_leaves():
     """A split inside a prefill enters the context again: leaving the inner one keeps the limit."""
     before = blas_threads()
-    with cpu.one_blas_thread():
-        with cpu.one_blas_thread():
+    with threads.one_blas_thread():
+        with threads.one_blas_thread():
             assert blas_threads() == 1
         assert blas_threads() == 1
-        cpu.in_parallel(lambda lo, hi: None, 8)
+        threads.in_parallel(lambda lo, hi: None, 8)
         assert blas_threads() == 1
     assert blas_threads() == before
 
@@ -75,11 +74,11 @@ def test_one_blas_thread_holds_until_the_outermost_context_leaves():
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     folder = save_reference(build_reference("qwen3_5_text", seed=3), tmp_path_factory.mktemp("parallel") / "m")
-    return load_hf_model(SafetensorsCheckpoint(folder), ModelConfig.from_file(folder / "config.json"))
+    return load_model(folder, tokenizer=False, backend="cpu").model
 
 
 def prefill(model, parts: int, monkeypatch, tokens):
-    monkeypatch.setattr(cpu, "PARTS", parts)
+    monkeypatch.setattr(threads, "PARTS", parts)
     state = model.new_state()
     hidden = model.forward(state, tokens)
     deltanet = [cache.recurrent.copy() for cache in state.layers if hasattr(cache, "recurrent")]
@@ -102,9 +101,9 @@ def test_quantized_chunks_split_between_cores_give_the_same_output(linear, rows,
     layer = linear(quantize_rtn(rng.standard_normal((300, 256), dtype=np.float32)))
     x = rng.standard_normal((rows, 256), dtype=np.float32)
     monkeypatch.setattr(cpu, "CHUNK_WEIGHTS", 256 * 64)  # 5 chunks of 64 rows
-    monkeypatch.setattr(cpu, "PARTS", 1)
+    monkeypatch.setattr(threads, "PARTS", 1)
     whole = layer(x)
-    monkeypatch.setattr(cpu, "PARTS", 2)
+    monkeypatch.setattr(threads, "PARTS", 2)
     assert np.array_equal(layer(x), whole)
 
 
@@ -116,7 +115,7 @@ def test_the_feature_major_product_is_the_transposed_product(linear, rows, monke
     weight = rng.standard_normal((300, 256), dtype=np.float32)
     layer = linear(weight if linear is cpu.DenseLinear else quantize_rtn(weight))
     x = rng.standard_normal((rows, 256), dtype=np.float32)
-    monkeypatch.setattr(cpu, "PARTS", 2)
+    monkeypatch.setattr(threads, "PARTS", 2)
     by_feature = layer.by_feature(x)
     assert by_feature.flags.c_contiguous and np.array_equal(by_feature, layer(x).T)
 
@@ -132,10 +131,10 @@ def test_a_long_prefill_split_by_tokens_gives_the_bits_of_one_product(layout, mo
     if layout == "feature-major":
         x = np.ascontiguousarray(x.T).T
     monkeypatch.setattr(cpu, "TOKEN_SPLIT_MIN", 64)
-    monkeypatch.setattr(cpu, "PARTS", 1)
+    monkeypatch.setattr(threads, "PARTS", 1)
     whole = layer(x)
     by_rows = layer.by_feature(x).T
     for parts in (2, 3):
-        monkeypatch.setattr(cpu, "PARTS", parts)
+        monkeypatch.setattr(threads, "PARTS", parts)
         assert np.array_equal(layer(x), whole)
     assert np.array_equal(by_rows, whole)

@@ -7,9 +7,7 @@ import pytest
 
 from conftest import build_reference, save_reference
 from engine.cache import RECENT_ROWS, SINK_ROWS, KVCache, Q4KVCache, dequantize_q4, quantize_q4
-from engine.checkpoint.hf import load_hf_model
-from engine.checkpoint.safetensors import SafetensorsCheckpoint
-from engine.config import ModelConfig
+from engine.loader import load_model
 from engine.model import attend
 
 
@@ -58,7 +56,7 @@ def test_attention_output_error_against_full_kv_is_bounded():
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("q4kv")
     save_reference(build_reference("qwen3_5_text", seed=31), path, with_tokenizer=False)
-    return load_hf_model(SafetensorsCheckpoint(path), ModelConfig.from_file(path / "config.json"))
+    return load_model(path, tokenizer=False, backend="cpu").model
 
 
 def test_model_logits_with_q4_kv_stay_close_on_model_data(model):

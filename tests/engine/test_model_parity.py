@@ -10,10 +10,8 @@ import torch
 
 from conftest import add_random_mtp_head, build_reference, save_reference, split_fused_experts
 from engine import GenerateOptions, Tokens, generate, load_model
-from engine.backend.cpu import ROWWISE_MAX
-from engine.checkpoint.hf import load_hf_model
+from engine.backend import MAX_ROWS
 from engine.checkpoint.safetensors import SafetensorsCheckpoint
-from engine.config import ModelConfig
 
 PROMPT_LEN = 150  # more than two DeltaNet chunks (64 in transformers, 32 in ours), a multiple of neither
 DECODE_STEPS = 24
@@ -41,8 +39,7 @@ def assert_close(ours: np.ndarray, theirs: np.ndarray) -> None:
 
 
 def load_ours(model_dir):
-    config = ModelConfig.from_file(model_dir / "config.json")
-    return load_hf_model(SafetensorsCheckpoint(model_dir), config)
+    return load_model(model_dir, tokenizer=False, backend="cpu").model
 
 
 @pytest.mark.parametrize("kind,tie,per_expert", CASES)
@@ -78,7 +75,7 @@ def test_a_prefill_of_the_last_row_only_matches_and_leaves_the_same_caches(tmp_p
     last_row = model.forward(last, ids[:prompt_len], last_only=True)
     assert last_row.shape == (1, model.config.hidden_size)
     assert_close(model.logits(last_row)[0], expected[prompt_len - 1])
-    if prompt_len <= ROWWISE_MAX:  # each row computed on its own either way
+    if prompt_len <= MAX_ROWS:  # each row computed on its own either way
         assert np.array_equal(last_row, every_row[-1:])
     for i in range(prompt_len, len(ids)):  # every cache took every row: the steps after agree bit for bit
         step = model.logits(model.forward(last, ids[i : i + 1]))

@@ -244,7 +244,8 @@ def test_bf16_route_runs_the_exact_dequantized_weights(w4):
 
 def test_stacked_parts_merge_by_runs_of_one_storage_form():
     """q | k | v | z in W4 and b | a in float (an INT4 DeltaNet): two matrices, not four, same outputs."""
-    from engine.backend.cpu import ConcatOutputs, stacked_linear
+    from engine.assemble import stacked_linear
+    from engine.backend.cpu import ConcatOutputs
 
     rng = np.random.default_rng(3)
     w4 = [quantize_rtn(rng.standard_normal((n, 256)).astype(np.float32)) for n in (48, 16)]

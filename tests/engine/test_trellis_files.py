@@ -17,7 +17,9 @@ from app.cli import main
 from app.convert import write_safetensors
 from conftest import build_reference, moe_fields, randomize, save_reference, tiny_text_config
 from engine import load_model
-from engine.backend.cpu import ROWWISE_MAX, DenseLinear, TrellisLinear, stacked_linear
+from engine.assemble import stacked_linear
+from engine.backend import MAX_ROWS
+from engine.backend.cpu import DenseLinear, TrellisLinear
 from engine.checkpoint.safetensors import SafetensorsFile
 from engine.quant import trellis
 from test_routes import decode, mean_kl
@@ -59,13 +61,13 @@ def test_loads_on_w4a8_and_beats_int4_on_kl(converted):
 def test_trellis_linear_matches_the_dequantized_weight_and_is_row_independent():
     rng = np.random.default_rng(4)
     w = rng.standard_normal((32, 256)).astype(np.float32)
-    x = rng.standard_normal((ROWWISE_MAX + 3, 256)).astype(np.float32)
+    x = rng.standard_normal((MAX_ROWS + 3, 256)).astype(np.float32)
     coded = trellis.quantize_matrix(w, 3, seed=9, step=trellis.STEPS[3])
     linear = TrellisLinear(coded)
     y = linear(x)
     reference = x @ coded.dequantize().T
     assert np.abs(y - reference).max() < 0.02 * np.abs(reference).max()  # int8 activation rounding only
-    assert np.array_equal(linear(x[:ROWWISE_MAX])[3], linear(x[3:4])[0])
+    assert np.array_equal(linear(x[:MAX_ROWS])[3], linear(x[3:4])[0])
 
 
 def rewrite(src, dst, metadata=None, drop_tile=False):

@@ -1,0 +1,92 @@
+"""Stored tensors as the checkpoint readers hand them over, and the stacking of matrices by rows.
+
+A stored matrix is one of:
+    np.ndarray      float weights, widened to fp32 [N, K]
+    W4Weight        4-bit levels, bf16 scale per 128 inputs (engine/quant/w4.py)
+    BlockMatrix     a GGUF file's quantized blocks as they are (engine/quant/gguf_blocks.py)
+    TrellisWeight   trellis-coded tiles, Hadamard-rotated (engine/quant/trellis.py)
+    InputOrder      any of the above whose input columns are stored in another order
+Readers produce these (engine/checkpoint/*); the assembler (engine/assemble.py) hands them to a
+backend, which turns each into a Linear of the chosen route. Nothing here computes a product.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.config import ModelConfig
+from engine.quant.gguf_blocks import BlockMatrix
+from engine.quant.trellis import TrellisWeight
+from engine.quant.w4 import W4Weight
+
+
+@dataclass(frozen=True)
+class InputOrder:
+    """A weight whose input columns are stored in another order: the model's x is gathered by `order`
+    (GGUF qwen35 files keep DeltaNet value heads tiled; the model computes them grouped)."""
+
+    weight: object
+    order: np.ndarray
+
+
+@dataclass
+class ModelWeights:
+    """Every tensor a model needs, by model key (`layers.3.mlp.down_proj.weight`, `lm_head.weight`,
+    `mtp.fc.weight`), whatever the checkpoint called it. Vectors are fp32 arrays; matrices are stored
+    matrices (see above). `fused_experts`: experts come as [E, ...] tensors (`experts.gate_up_proj`)."""
+
+    config: ModelConfig
+    tensors: dict
+    has_mtp: bool
+    fused_experts: bool
+
+    def __call__(self, key: str):
+        return self.tensors[key]
+
+
+def row_runs(parts: list) -> list:
+    """Matrices to be stacked by rows (gate then up; q | k | v | z | b | a), merged wherever
+    consecutive parts share a storage form: one stored matrix per run, in order."""
+    runs = [[parts[0]]]
+    for part in parts[1:]:
+        if same_storage(runs[-1][0], part):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [stack_rows(run) for run in runs]
+
+
+def same_storage(a, b) -> bool:
+    """Whether b can join a in one stored matrix (same form, same block layout along K)."""
+    if isinstance(a, (np.ndarray, W4Weight)):
+        return type(a) is type(b)
+    if isinstance(a, TrellisWeight):
+        return isinstance(b, TrellisWeight) and (a.k, a.seed, a.shape[1]) == (b.k, b.seed, b.shape[1])
+    if isinstance(a, BlockMatrix):
+        return isinstance(b, BlockMatrix) and (a.qtype, a.K) == (b.qtype, b.K)
+    return False  # InputOrder and the like stay as they are
+
+
+def stack_rows(run: list):
+    """One stored matrix holding the rows of every matrix of run (all of one storage form), in order."""
+    first = run[0]
+    if len(run) == 1:
+        return first
+    if isinstance(first, np.ndarray):
+        return np.concatenate(run)
+    if isinstance(first, W4Weight):
+        return W4Weight(np.concatenate([p.packed for p in run]), np.concatenate([p.scales for p in run]))
+    if isinstance(first, TrellisWeight):
+        # Tiles are stored row band by row band (trellis.to_tiles), so stacking rows concatenates tiles.
+        return TrellisWeight(np.concatenate([p.packed for p in run]), np.concatenate([p.row_scale for p in run]),
+                             (sum(p.shape[0] for p in run), first.shape[1]), first.k, first.seed)
+    return BlockMatrix(first.qtype, np.concatenate([p.raw for p in run]), first.K)
+
+
+def take_rows(matrix, rows: np.ndarray | slice):
+    """Some rows of a stored matrix: a view for float weights and slices, a copy of the rows' blocks else."""
+    if isinstance(matrix, np.ndarray):
+        return matrix[rows]
+    return matrix.take_rows(np.arange(matrix.shape[0])[rows])
