@@ -12,16 +12,13 @@ import cupy as cp
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from engine.backend import MAX_ROWS
 from engine.cache import Q4_GROUP, RECENT_ROWS, SINK_ROWS
-from engine.backend.cpu import ROWWISE_MAX
 from engine.kernels.build import kernel
 from engine.quant.activation import ACT_BLOCK
 from engine.quant.gguf_blocks import BlockMatrix
 from engine.quant.trellis import MULTIPLIERS, TrellisWeight, rotation_signs
 from engine.quant.w4 import GROUP, W4Weight
-
-MAX_ROWS = 16  # token rows per weight read in every GEMV kernel (a verify of 1 + 15 drafts)
-assert ROWWISE_MAX <= MAX_ROWS
 
 
 def _i32(v) -> np.int32:
@@ -372,7 +369,7 @@ def _grown(array: cp.ndarray, rows: int, length: int) -> cp.ndarray:
 
 class Q4KVCache:
     """engine.cache.Q4KVCache on the device: codes and f16 scales per 32 of the rotated rows, exact
-    fp32 sink rows and a ring of the latest RECENT_ROWS + ROWWISE_MAX rows. Keys and values are kept
+    fp32 sink rows and a ring of the latest RECENT_ROWS + MAX_ROWS rows. Keys and values are kept
     in separate arrays."""
 
     def __init__(self, kv_heads: int, head_dim: int, capacity: int, seed: int = 0):
@@ -383,7 +380,7 @@ class Q4KVCache:
         self.value_scales = cp.zeros_like(self.key_scales)
         self.sink_keys = cp.zeros((kv_heads, SINK_ROWS, head_dim), cp.float32)
         self.sink_values = cp.zeros_like(self.sink_keys)
-        self.ring_rows = RECENT_ROWS + ROWWISE_MAX
+        self.ring_rows = RECENT_ROWS + MAX_ROWS
         self.ring_keys = cp.zeros((kv_heads, self.ring_rows, head_dim), cp.float32)
         self.ring_values = cp.zeros_like(self.ring_keys)
         self.length = 0
