@@ -6,19 +6,24 @@
         ...
 """
 
+from engine.choices import Accept, Draft, KVCache, Route
 from engine.errors import CheckpointError, DuetError
 from engine.generate import Cycle, Finished, GenerateOptions, Stats, Switches, Tokens, generate
 from engine.loader import LoadedModel, LoadProgress, load_model
 from engine.sampling import SamplingParams
 
 __all__ = [
+    "Accept",
     "CheckpointError",
     "Cycle",
+    "Draft",
     "DuetError",
     "Finished",
     "GenerateOptions",
+    "KVCache",
     "LoadProgress",
     "LoadedModel",
+    "Route",
     "SamplingParams",
     "Stats",
     "Switches",
