@@ -173,35 +173,3 @@ def _message(row: sqlite3.Row) -> Message:
     values["stats"] = json.loads(values["stats"] or "{}")
     values["in_context"] = bool(values["in_context"])
     return Message(**values)
-
-
-# ---- export ----
-
-
-def export_markdown(conversation: Conversation, messages: list[Message]) -> str:
-    lines = [f"# {conversation.title}", ""]
-    if conversation.system_prompt:
-        lines += ["**System**", "", conversation.system_prompt, ""]
-    for message in messages:
-        lines += [f"**{_heading(message)}**", "", message.content, ""]
-    return "\n".join(lines)
-
-
-def export_json(conversation: Conversation, messages: list[Message]) -> str:
-    return json.dumps({
-        "title": conversation.title,
-        "system_prompt": conversation.system_prompt,
-        "created": conversation.created,
-        "messages": [{
-            "role": m.role, "content": m.content, "created": m.created, "model": m.model, "route": m.route,
-            "accept": m.accept, "stats": m.stats, "finish_reason": m.finish_reason, "in_context": m.in_context,
-        } for m in messages],
-    }, ensure_ascii=False, indent=2)
-
-
-def _heading(message: Message) -> str:
-    if message.role == "user":
-        return "User"
-    made_with = " · ".join(part for part in (message.model, message.route, message.accept) if part)
-    stopped = " (stopped)" if message.stopped else ""
-    return f"Assistant ({made_with}){stopped}" if made_with else f"Assistant{stopped}"

@@ -1,8 +1,7 @@
-"""The conversation store: WAL, what each message records, export, bad files, and a killed writer."""
+"""The conversation store: WAL, what each message records, bad files, and a killed writer."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sqlite3
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.store import Store, export_json, export_markdown
+from app.store import Store
 from engine.errors import DuetError
 
 
@@ -63,23 +62,6 @@ def test_dropped_messages_stay_saved(store):
     store.add_message(chat.id, "user", "new")
     store.drop_from_context([old.id])
     assert [(m.content, m.in_context) for m in store.messages(chat.id)] == [("old", False), ("new", True)]
-
-
-def test_export_markdown_and_json(store):
-    chat = store.create_conversation("Export me", "System words")
-    store.add_message(chat.id, "user", "question")
-    store.add_message(chat.id, "assistant", "```py\nprint(1)\n```", model="tiny", route="bf16", accept="exact",
-                      stats={"decode_tok_s": 3.0}, finish_reason="cancelled")
-    messages = store.messages(chat.id)
-    markdown = export_markdown(store.conversation(chat.id), messages)
-    assert markdown.startswith("# Export me\n")
-    assert "System words" in markdown and "**User**\n\nquestion" in markdown
-    assert "**Assistant (tiny · bf16 · exact) (stopped)**\n\n```py\nprint(1)\n```" in markdown
-    exported = json.loads(export_json(store.conversation(chat.id), messages))
-    assert exported["title"] == "Export me"
-    assert [m["role"] for m in exported["messages"]] == ["user", "assistant"]
-    assert exported["messages"][1]["stats"] == {"decode_tok_s": 3.0}
-    assert exported["messages"][1]["finish_reason"] == "cancelled"
 
 
 def test_a_file_that_is_not_a_database_is_one_line_and_kept(tmp_path):

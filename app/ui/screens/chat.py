@@ -6,7 +6,6 @@ The model loads and replies generate in thread workers; they reach this screen a
 
 from __future__ import annotations
 
-import re
 import threading
 from functools import partial
 from pathlib import Path
@@ -23,7 +22,7 @@ from textual.worker import get_current_worker
 from app.session import (
     ChatSession, ContextFull, Launch, Readout, ReplyChunk, ReplyDone, available_routes, reply_options,
 )
-from app.store import export_json, export_markdown
+from app.exports import export_conversation
 from app.ui.screens.dialogs import Confirm, ContextFullChoice, ExportChoice, ReplySettings, TextPrompt
 from app.ui.screens.models import ModelsScreen
 from app.ui.widgets.conversation_list import ConversationItem, ConversationList
@@ -403,15 +402,10 @@ class ChatScreen(Screen):
         if choice is None:
             return
         folder, kind = choice
-        conversation = self.app.store.conversation(self.conversation_id)
-        messages = self.app.store.messages(self.conversation_id)
-        render = export_markdown if kind == "md" else export_json
-        path = Path(folder).expanduser() / f"{_slug(conversation.title)}-{conversation.id}.{kind}"
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(render(conversation, messages), encoding="utf-8")
-        except OSError as error:
-            self.notify(f"{path}: cannot write ({error.strerror}); pick another folder", severity="error")
+            path = export_conversation(self.app.store, self.conversation_id, Path(folder), kind)
+        except DuetError as error:
+            self.notify(str(error), severity="error")
             return
         self.notify(f"Exported to {path}")
 
@@ -436,7 +430,3 @@ def _throttled(report):
             report(share)
 
     return progress
-
-
-def _slug(title: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40] or "conversation"
