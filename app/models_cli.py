@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 from pathlib import Path
@@ -11,9 +12,10 @@ from app.catalog import (
     clear_stale_staging, delete_model, find_in_catalog, find_local, human_size, import_model, load_catalog, local_models,
 )
 from app.downloads import DownloadProgress, download_model, remote_model
-from app.models_info import add_plan_arguments, run_model_info
+from app.models_info import info_json, info_lines, plan_model
 from app.settings import user_paths
-from engine.errors import DuetError
+from engine import DuetError
+from engine.placement import DEFAULT_ETA, KV_TYPES, RTX_3090, Card, GiB, detect_card
 
 EXIT_INTERRUPTED = 130
 
@@ -103,6 +105,40 @@ def run_info(args: argparse.Namespace) -> int:
     if "/" in args.name:
         return run_model_info(args.name, args)
     raise DuetError(f"{args.name}: not a model folder or file, a model on disk, a catalog name or a hub repo id")
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    plan = parser.add_argument_group("plan for a card (default: the GPU here, else an RTX 3090)")
+    plan.add_argument("--vram", type=float, metavar="GiB", help="card memory as sold (24 for an RTX 3090)")
+    plan.add_argument("--bandwidth", type=float, metavar="GB/s", help="card memory bandwidth (936 for an RTX 3090)")
+    plan.add_argument("--context", type=int, help="tokens of context to plan for (default: the model's longest)")
+    plan.add_argument("--kv", choices=KV_TYPES, default="bf16", help="KV cache type (default bf16)")
+    plan.add_argument("--host-tables", action="store_true",
+                      help="keep the bf16 embedding and rescoring head in host memory")
+    plan.add_argument("--depth", type=int, help="drafts a cycle (default: 3 with an MTP head, else 0)")
+    plan.add_argument("--eta", type=float, default=DEFAULT_ETA, help=f"share of peak bandwidth reached (default {DEFAULT_ETA})")
+    plan.add_argument("--tau", type=float, default=1.0, help="tokens committed a cycle (default 1)")
+
+
+def card_from(args: argparse.Namespace) -> tuple[Card, bool]:
+    """The card to plan for, and whether it was detected here. Flags override what is detected."""
+    detected = None if args.vram and args.bandwidth else detect_card()
+    base = detected or RTX_3090
+    vram = int(args.vram * GiB) if args.vram else base.vram
+    bandwidth = args.bandwidth * 1e9 if args.bandwidth else base.bandwidth
+    name = base.name if (args.vram, args.bandwidth) == (None, None) else "card from --vram/--bandwidth"
+    return Card(name, vram, bandwidth), detected is not None
+
+
+def run_model_info(source: str, args: argparse.Namespace, patterns: tuple[str, ...] = ()) -> int:
+    for flag in ("vram", "bandwidth", "context", "depth", "eta", "tau"):
+        value = getattr(args, flag)
+        if value is not None and (value < 0 or (value == 0 and flag not in ("context", "depth"))):
+            raise DuetError(f"--{flag} {value}: must be {'zero or ' if flag in ('context', 'depth') else ''}positive")
+    card, detected = card_from(args)
+    plan = plan_model(source, patterns, card, args.context, args.kv, args.host_tables, args.depth, args.eta, args.tau)
+    print(json.dumps(info_json(plan, detected)) if args.json else "\n".join(info_lines(plan)))
+    return 0
 
 
 def run_import(args: argparse.Namespace) -> int:

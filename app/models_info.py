@@ -1,4 +1,5 @@
-"""`duet models info`: the bill of bytes, the memory plan and the context budget, as a table or JSON.
+"""What a model needs on a card, for `duet models info` and the models screen: the bill of bytes,
+the memory plan and the context budget, as a table or JSON.
 
 Everything comes from tensor headers (engine.checkpoint.headers): on the hub only the headers are
 fetched, never the weights. The figures are engine.placement's; this module only lays them out.
@@ -6,60 +7,57 @@ fetched, never the weights. The figures are engine.placement's; this module only
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
+import os
+from dataclasses import dataclass
 
+from engine import KVCache
 from engine.checkpoint.headers import CheckpointHeaders, read_headers
-from engine.errors import DuetError
 from engine.heads import RESCORE_CANDIDATES, SHORTLIST_ROWS
 from engine.placement import (
-    DEFAULT_ETA, EXPERTS, KV_TYPES, RTX_3090, Assessment, Card, Settings, GB, GiB, assess, attention_layers,
+    DEFAULT_ETA, EXPERTS, KV_TYPES, RTX_3090, Assessment, Card, Plan, Settings, GB, GiB, assess, attention_layers,
     describe_format, detect_card,
 )
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    plan = parser.add_argument_group("plan for a card (default: the GPU here, else an RTX 3090)")
-    plan.add_argument("--vram", type=float, metavar="GiB", help="card memory as sold (24 for an RTX 3090)")
-    plan.add_argument("--bandwidth", type=float, metavar="GB/s", help="card memory bandwidth (936 for an RTX 3090)")
-    plan.add_argument("--context", type=int, help="tokens of context to plan for (default: the model's longest)")
-    plan.add_argument("--kv", choices=KV_TYPES, default="bf16", help="KV cache type (default bf16)")
-    plan.add_argument("--host-tables", action="store_true",
-                      help="keep the bf16 embedding and rescoring head in host memory")
-    plan.add_argument("--depth", type=int, help="drafts a cycle (default: 3 with an MTP head, else 0)")
-    plan.add_argument("--eta", type=float, default=DEFAULT_ETA, help=f"share of peak bandwidth reached (default {DEFAULT_ETA})")
-    plan.add_argument("--tau", type=float, default=1.0, help="tokens committed a cycle (default 1)")
+@dataclass(frozen=True)
+class ModelPlan:
+    """A checkpoint's tensor headers and what it needs on a card: the bill, the plan, the budget."""
+
+    headers: CheckpointHeaders
+    report: Assessment
 
 
-def card_from(args: argparse.Namespace) -> tuple[Card, bool]:
-    """The card to plan for, and whether it was detected here. Flags override what is detected."""
-    detected = None if args.vram and args.bandwidth else detect_card()
-    base = detected or RTX_3090
-    vram = int(args.vram * GiB) if args.vram else base.vram
-    bandwidth = args.bandwidth * 1e9 if args.bandwidth else base.bandwidth
-    name = base.name if (args.vram, args.bandwidth) == (None, None) else "card from --vram/--bandwidth"
-    return Card(name, vram, bandwidth), detected is not None
-
-
-def run_model_info(source: str, args: argparse.Namespace, patterns: tuple[str, ...] = ()) -> int:
-    for flag in ("vram", "bandwidth", "context", "depth", "eta", "tau"):
-        value = getattr(args, flag)
-        if value is not None and (value < 0 or (value == 0 and flag not in ("context", "depth"))):
-            raise DuetError(f"--{flag} {value}: must be {'zero or ' if flag in ('context', 'depth') else ''}positive")
+def plan_model(source: str, patterns: tuple[str, ...] = (), card: Card | None = None, context: int | None = None,
+               kv: KVCache = KVCache.BF16, host_tables: bool = False, depth: int | None = None,
+               eta: float = DEFAULT_ETA, tau: float = 1.0) -> ModelPlan:
+    """Plan a model folder, GGUF file or hub repo for `card` (default: the GPU here, else an RTX 3090),
+    reading its tensor headers only; `patterns` pick the files of a hub repo."""
     headers = read_headers(source, patterns=patterns)
-    card, detected = card_from(args)
-    report = assess(headers, card, args.context, args.kv, args.host_tables, args.depth, args.eta, args.tau)
-    if args.json:
-        print(json.dumps(info_json(headers, report, detected)))
-    else:
-        print("\n".join(info_lines(headers, report)))
-    return 0
+    report = assess(headers, card or detect_card() or RTX_3090, context, kv, host_tables, depth, eta, tau)
+    return ModelPlan(headers, report)
+
+
+def host_memory() -> int:
+    """Bytes of memory this machine has."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def card_summary(p: Plan) -> str:
+    verdict = "fits" if p.fits else "does not fit"
+    return (f"{p.card.name}: {p.used / GiB:.2f} of {p.card.vram / GiB:.2f} GiB · {verdict} "
+            f"at {p.context:,} tokens, KV {p.kv}")
+
+
+def host_summary(p: Plan, memory: int) -> str:
+    return (f"host memory: {sum(p.on_host.values()) / GiB:.2f} of {memory / GiB:.2f} GiB "
+            "(tables and experts kept off the card)")
 
 
 # --- JSON: every figure, bytes as integers ----------------------------------------------------------
 
-def info_json(headers: CheckpointHeaders, r: Assessment, detected: bool) -> dict:
+def info_json(model: ModelPlan, detected: bool) -> dict:
+    headers, r = model.headers, model.report
     c, bill, plan = headers.config, r.bill, r.plan
     return {
         "source": headers.source,
@@ -100,7 +98,8 @@ def _weights_json(w) -> dict:
 
 # --- the table ----------------------------------------------------------------------------------------
 
-def info_lines(headers: CheckpointHeaders, r: Assessment) -> list[str]:
+def info_lines(model: ModelPlan) -> list[str]:
+    headers, r = model.headers, model.report
     return [*_model_lines(headers), "", *_bill_lines(headers, r), "", *_plan_lines(r), "", *_budget_lines(r),
             "", _ceiling_line(r)]
 

@@ -6,7 +6,6 @@ on disk (Enter) returns its folder to the chat screen, which loads it.
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
@@ -23,11 +22,9 @@ from app.catalog import (
     import_model, load_catalog, local_models,
 )
 from app.downloads import DownloadProgress, download_model, remote_model
-from app.models_info import info_lines
+from app.models_info import ModelPlan, card_summary, host_memory, host_summary, info_lines, plan_model
 from app.ui.screens.dialogs import Confirm, TextPrompt
-from engine.checkpoint.headers import read_headers
-from engine.errors import DuetError
-from engine.placement import RTX_3090, GiB, Plan, assess, detect_card
+from engine import DuetError
 
 
 class ModelsScreen(Screen):
@@ -56,11 +53,11 @@ class ModelsScreen(Screen):
         """An import ended."""
 
     class Planned(Message):
-        """What a model needs on a card, from its headers: lines to read and the plan, or why not."""
+        """What a model needs on a card, from its headers, or why it cannot be planned."""
 
-        def __init__(self, lines: list[str], plan: Plan | None, error: str | None):
+        def __init__(self, plan: ModelPlan | None, error: str | None):
             super().__init__()
-            self.lines, self.plan, self.error = lines, plan, error
+            self.plan, self.error = plan, error
 
     def __init__(self):
         super().__init__()
@@ -232,30 +229,26 @@ class ModelsScreen(Screen):
     @work(thread=True, exclusive=True, group="plan")
     def plan_in_background(self, source: str, patterns: tuple[str, ...]) -> None:
         try:
-            headers = read_headers(source, patterns=patterns)
-            report = assess(headers, detect_card() or RTX_3090)
+            plan = plan_model(source, patterns)
         except DuetError as error:
-            self.post_message(self.Planned([], None, str(error)))
+            self.post_message(self.Planned(None, str(error)))
             return
-        self.post_message(self.Planned(info_lines(headers, report), report.plan, None))
+        self.post_message(self.Planned(plan, None))
 
     def on_models_screen_planned(self, message: Planned) -> None:
         if message.error:
             self.query_one("#model-info", Static).update(f"cannot plan it: {message.error}")
             return
-        self.query_one("#model-info", Static).update("\n".join(message.lines))
+        self.query_one("#model-info", Static).update("\n".join(info_lines(message.plan)))
         self.show_placement(message.plan)
 
-    def show_placement(self, plan: Plan) -> None:
+    def show_placement(self, model: ModelPlan) -> None:
         """VRAM and host bars of the plan."""
-        verdict = "fits" if plan.fits else "does not fit"
-        self.query_one("#vram-label", Label).update(
-            f"{plan.card.name}: {plan.used / GiB:.2f} of {plan.card.vram / GiB:.2f} GiB · {verdict} "
-            f"at {plan.context:,} tokens, KV {plan.kv}")
+        plan, memory = model.report.plan, host_memory()
+        self.query_one("#vram-label", Label).update(card_summary(plan))
         self.query_one("#vram-bar", ProgressBar).update(total=plan.card.vram, progress=min(plan.used, plan.card.vram))
-        on_host, memory = sum(plan.on_host.values()), host_memory()
-        self.query_one("#host-label", Label).update(
-            f"host memory: {on_host / GiB:.2f} of {memory / GiB:.2f} GiB (tables and experts kept off the card)")
+        self.query_one("#host-label", Label).update(host_summary(plan, memory))
+        on_host = sum(plan.on_host.values())
         self.query_one("#host-bar", ProgressBar).update(total=memory, progress=min(on_host, memory))
         self.query_one("#placement").display = True
 
@@ -310,7 +303,3 @@ def local_lines(model: LocalModel) -> list[str]:
     except DuetError as error:
         lines = [f"cannot be read: {error}"]
     return [f"{model.name} · {model.path}", *lines]
-
-
-def host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
