@@ -14,12 +14,25 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
+from enum import StrEnum
+from pathlib import Path
 
-from engine.errors import DuetError
+from app.catalog import find_local
+from app.session import EngineChoices, Launch
+from app.settings import Config, Paths, bundled_demo_model, load_config, user_paths
+from engine import Accept, Draft, DuetError, KVCache, Route
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 SUBCOMMANDS = ("bench", "models", "convert")
+HEADLESS_ONLY = ("raw", "json", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                 "presence_penalty", "seed")
+RUNNABLE_KV = tuple(kv for kv in KVCache if kv.runs)
+# What to say, instead of "invalid choice", to a KV cache word `duet --kv` does not take.
+RENAMED_KV = {"full": f"'full' is now called '{KVCache.BF16}'"}
+PLANNING_ONLY_KV = {str(kv): f"'{kv}' is for planning only (duet models info); duet runs "
+                             f"{' or '.join(repr(str(runs)) for runs in RUNNABLE_KV)}" for kv in KVCache if not kv.runs}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -48,12 +61,24 @@ def _run_main(argv: list[str]) -> int:
     if args.paths:
         return print_paths()
     if args.headless is None:
-        from app.ui.app import run_ui
-
-        return run_ui(args, parser)
+        return _run_chat(args, parser)
     from app.headless import run_headless
 
-    return run_headless(args)
+    return run_headless(args, engine_choices(args))
+
+
+def _run_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`duet [--model M] [--route R] [--accept A] [--draft D] [--depth N] [--kv K] [--context N]`: the chat UI."""
+    given = [name for name in HEADLESS_ONLY if getattr(args, name) != parser.get_default(name)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise DuetError(f"{flag} applies to --headless; in the chat UI set replies up with ctrl+s")
+    from app.ui.app import run_ui
+
+    paths = user_paths()
+    config = load_config(paths.config_file)
+    launch = Launch(chat_model_path(args.model, config, paths), args.route, args.context, engine_choices(args), args.accept)
+    return run_ui(paths, config, launch)
 
 
 def _run_subcommand(argv: list[str]) -> int:
@@ -83,10 +108,10 @@ def main_parser() -> OneLineParser:
                "duet bench {decode,spec,quality,routes,trellis,make-random} (each with --help)",
     )
     parser.add_argument("--model", help="model folder (default: the bundled demo model)")
-    parser.add_argument("--route", choices=["auto", "bf16", "w4a16", "w4a8"], default="auto",
+    parser.add_argument("--route", **choice(Route), default=Route.AUTO,
                         help="kernel route: auto picks the checkpoint's natural one (bf16 for float weights, "
                              "w4a16 for INT4 safetensors, w4a8 for quantized GGUF)")
-    parser.add_argument("--accept", choices=["exact", "lossy"], default="exact",
+    parser.add_argument("--accept", **choice(Accept), default=Accept.EXACT,
                         help="speculative acceptance: exact keeps the model's distribution, lossy keeps more drafts")
     parser.add_argument("--headless", metavar="PROMPT", help="answer one prompt without the UI and exit")
     parser.add_argument("--paths", action="store_true", help="print where duet keeps config, conversations and models")
@@ -94,13 +119,14 @@ def main_parser() -> OneLineParser:
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout at the end")
     parser.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
     parser.add_argument("--context", type=int, help="token budget for prompt + reply (default: the model's)")
-    parser.add_argument("--kv", choices=["full", "q4"], default="full",
-                        help="attention KV cache: full precision, or q4 (4-bit, Hadamard-rotated, exact sink and recent rows)")
+    parser.add_argument("--kv", **choice(RUNNABLE_KV, RENAMED_KV | PLANNING_ONLY_KV), default=KVCache.BF16,
+                        help="attention KV cache: bf16 (16-bit rows; the CPU keeps fp32), or q4 (4-bit, "
+                             "Hadamard-rotated, exact sink and recent rows)")
     parser.add_argument("--host-tables", action="store_true",
                         help="rank the vocabulary with an int4 copy of the head and rescore the best 64 with the "
                              "bf16 rows, as on a card whose bf16 tables live in host memory: greedy ids unchanged, "
                              "sampling limited to those 64")
-    parser.add_argument("--draft", choices=["auto", "mtp", "ngram", "none"], default="auto",
+    parser.add_argument("--draft", **choice(Draft), default=Draft.AUTO,
                         help="drafter: auto uses the MTP head when the checkpoint has one, else n-gram lookup")
     parser.add_argument("--depth", default="auto",
                         help="drafts per cycle: auto (adaptive) or a number up to 4 (MTP) / 7 (n-gram)")
@@ -115,9 +141,50 @@ def main_parser() -> OneLineParser:
     return parser
 
 
-def print_paths() -> int:
-    from app.settings import user_paths
+def choice(words: Iterable[StrEnum], retired: dict[str, str] | None = None) -> dict:
+    """argparse keywords for one of `words`: the help lists them, the value is the enum member, and a
+    wrong word is one line naming the choices (or, for a `retired` word, what to write instead)."""
+    allowed = tuple(words)
 
+    def one_of(text: str) -> StrEnum:
+        for word in allowed:
+            if word == text:
+                return word
+        if retired and text in retired:
+            raise argparse.ArgumentTypeError(retired[text])
+        names = ", ".join(repr(str(word)) for word in allowed)
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {names})")
+
+    return {"type": one_of, "choices": allowed}
+
+
+def engine_choices(args: argparse.Namespace) -> EngineChoices:
+    """The engine choices of `duet` and `duet --headless` (`--draft`, `--depth`, `--kv`, `--host-tables`)."""
+    return EngineChoices(args.draft, parse_depth(args.depth), args.kv, args.host_tables)
+
+
+def parse_depth(value: str) -> int | None:
+    if value == "auto":
+        return None
+    if not value.isdigit():
+        raise DuetError(f"--depth takes auto or a whole number (got {value!r})")
+    return int(value)
+
+
+def chat_model_path(name: str | None, config: Config, paths: Paths) -> Path:
+    """--model, else the config's model: a folder or .gguf file, or a name from `duet models list`; else the demo."""
+    name = name or config.model
+    folder = Path(name).expanduser() if name else bundled_demo_model()
+    if folder.exists():
+        return folder
+    found = find_local(name, paths.models_dir) if name else None
+    if found is None:
+        raise DuetError(f"{folder}: no such model folder or file, and no model of that name on disk; "
+                        "see duet models list")
+    return found.path
+
+
+def print_paths() -> int:
     paths = user_paths()
     print(f"config         {paths.config_file}\nconversations  {paths.database}\n"
           f"models         {paths.models_dir}\nexports        {paths.exports_dir}")

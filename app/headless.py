@@ -6,21 +6,17 @@ import argparse
 import json
 import sys
 
+from app.session import EngineChoices, reply_options
 from app.settings import bundled_demo_model
-from engine import DuetError, Finished, GenerateOptions, LoadProgress, SamplingParams, Tokens, generate, load_model
+from engine import Finished, LoadProgress, Tokens, generate, load_model
 
 EXIT_INTERRUPTED = 130
 
 
-def run_headless(args: argparse.Namespace) -> int:
-    sampling = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty, seed=args.seed,
-    )
-    options = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, context=args.context,
-                              draft=args.draft, depth=parse_depth(args.depth), accept=args.accept, kv=args.kv)
+def run_headless(args: argparse.Namespace, choices: EngineChoices) -> int:
+    options = reply_options(args, args.context, choices, args.accept)
     bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
-    lm = load_model(args.model or bundled_demo_model(), progress=bar, route=args.route, host_tables=args.host_tables)
+    lm = load_model(args.model or bundled_demo_model(), progress=bar, route=args.route, host_tables=choices.host_tables)
     if bar:
         bar.close()
     tokenizer = lm.tokenizer
@@ -59,14 +55,6 @@ def run_headless(args: argparse.Namespace) -> int:
     if stats:
         print(summary_line(stats, finish), file=sys.stderr)
     return EXIT_INTERRUPTED if finish == "cancelled" else 0
-
-
-def parse_depth(value: str) -> int | None:
-    if value == "auto":
-        return None
-    if not value.isdigit():
-        raise DuetError(f"--depth takes auto or a whole number (got {value!r})")
-    return int(value)
 
 
 def summary_line(stats, finish: str) -> str:

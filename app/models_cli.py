@@ -11,11 +11,12 @@ from pathlib import Path
 from app.catalog import (
     clear_stale_staging, delete_model, find_in_catalog, find_local, human_size, import_model, load_catalog, local_models,
 )
+from app.cli import RENAMED_KV, choice
 from app.downloads import DownloadProgress, download_model, remote_model
 from app.models_info import info_json, info_lines, plan_model
 from app.settings import user_paths
-from engine import DuetError
-from engine.placement import DEFAULT_ETA, KV_TYPES, RTX_3090, Card, GiB, detect_card
+from engine import DuetError, KVCache
+from engine.placement import DEFAULT_ETA, RTX_3090, Card, GiB, detect_card
 
 EXIT_INTERRUPTED = 130
 
@@ -112,7 +113,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--vram", type=float, metavar="GiB", help="card memory as sold (24 for an RTX 3090)")
     plan.add_argument("--bandwidth", type=float, metavar="GB/s", help="card memory bandwidth (936 for an RTX 3090)")
     plan.add_argument("--context", type=int, help="tokens of context to plan for (default: the model's longest)")
-    plan.add_argument("--kv", choices=KV_TYPES, default="bf16", help="KV cache type (default bf16)")
+    plan.add_argument("--kv", **choice(KVCache, RENAMED_KV), default=KVCache.BF16,
+                      help="KV cache type (default bf16); q8 is planning-only: duet runs bf16 and q4")
     plan.add_argument("--host-tables", action="store_true",
                       help="keep the bf16 embedding and rescoring head in host memory")
     plan.add_argument("--depth", type=int, help="drafts a cycle (default: 3 with an MTP head, else 0)")

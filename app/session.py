@@ -1,26 +1,32 @@
-"""ChatSession: one conversation + a loaded model + its chat template -> a stream of reply events.
+"""ChatSession: one conversation + a loaded model + its chat template -> a stream of reply events;
+EngineHost: the loaded model and the engine's settings for a chat UI run.
 
 The UI talks to the engine only through this module. `stream_reply` runs in a worker thread: it
 renders the conversation, runs the engine's generator, coalesces its per-cycle events into chunks
 at most every `BATCH_SECONDS` (the UI gets a few posted messages a second, never one per token),
 and saves the reply when it ends, stopped or not. The context budget is checked before anything is
 sent: a conversation that no longer fits raises ContextFull, and the user chooses what to drop.
+A reply's engine options are built here (`reply_options`), for the UI and `duet --headless` alike.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from app.settings import Config
+from app.settings import FRESH_SEED
 from app.store import Conversation, Message, Store
-from engine import Finished, GenerateOptions, LoadedModel, SamplingParams, Stats, Switches, Tokens, generate
-from engine.errors import DuetError
+from engine import (
+    Accept, Draft, DuetError, Finished, GenerateOptions, KVCache, LoadedModel, LoadProgress, Route, SamplingParams,
+    Stats, Switches, Tokens, generate, load_model,
+)
 
 BATCH_SECONDS = 0.05
+LOAD_PROGRESS_STEP = 0.02  # report load progress at most every 2% of the bytes
 WARN_SHARE = 0.8  # the context meter warns from this share of the budget on
 TITLE_CHARS = 48
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -202,18 +208,13 @@ class ChatSession:
             accept=SWITCHED.join(finished.stats.rules) or self.switches.accept, stats=stats, finish_reason=finished.finish_reason)
 
 
-def available_routes(lm: LoadedModel) -> tuple[str, ...]:
-    """Routes the loaded checkpoint can run, the one it runs first."""
-    return (lm.route, *(route for route in lm.routes if route != lm.route))
-
-
 @dataclass(frozen=True)
 class EngineChoices:
     """What the command line chose for the engine this run (`--draft`, `--depth`, `--kv`, `--host-tables`)."""
 
-    draft: str = "auto"
+    draft: Draft = Draft.AUTO
     depth: int | None = None
-    kv: str = "full"
+    kv: KVCache = KVCache.BF16
     host_tables: bool = False
 
 
@@ -222,19 +223,98 @@ class Launch:
     """What a chat UI run starts with: the model, its route, the context budget and the engine choices."""
 
     model_path: Path
-    route: str = "auto"
+    route: Route = Route.AUTO
     context: int | None = None
     choices: EngineChoices = field(default_factory=EngineChoices)
-    accept: str = "exact"
+    accept: Accept = Accept.EXACT
 
 
-def reply_options(config: Config, context_budget: int, choices: EngineChoices, accept: str) -> GenerateOptions:
+class ReplySettings(Protocol):
+    """How a reply samples and how long it may run: the config's reply defaults, or `duet --headless`'s flags."""
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    seed: int | None  # None or FRESH_SEED: a fresh seed each reply
+
+
+def sampling_params(settings: ReplySettings) -> SamplingParams:
+    """The sampler of a reply; raises DuetError naming a bad value."""
+    return SamplingParams(
+        temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, min_p=settings.min_p,
+        repetition_penalty=settings.repetition_penalty, presence_penalty=settings.presence_penalty,
+        seed=None if settings.seed in (None, FRESH_SEED) else settings.seed)
+
+
+def reply_options(settings: ReplySettings, context: int | None, choices: EngineChoices, accept: Accept) -> GenerateOptions:
     """Engine options for a reply from the user's settings and this run's engine choices."""
-    sampling = SamplingParams(
-        temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
-        repetition_penalty=config.repetition_penalty, seed=None if config.seed < 0 else config.seed)
-    return GenerateOptions(max_tokens=config.max_tokens, sampling=sampling, context=context_budget,
-                           draft=choices.draft, depth=choices.depth, kv=choices.kv, accept=accept)
+    return GenerateOptions(max_tokens=settings.max_tokens, sampling=sampling_params(settings), context=context,
+                           draft=choices.draft, depth=choices.depth, kv=KVCache(choices.kv).generator_name, accept=accept)
+
+
+class EngineHost:
+    """The engine for a chat UI run: the loaded model, its route, the context budget and the switches.
+
+    The chat screen talks to the engine through this. `load` runs in a worker thread and returns the
+    model; `use` makes it current on the UI's thread, so a later choice of model can supersede one
+    still loading. `switches` is shared by every session: the engine reads it at each cycle.
+    """
+
+    def __init__(self, launch: Launch):
+        self.launch = launch
+        self.switches = Switches(launch.accept)
+        self.lm: LoadedModel | None = None
+
+    def load(self, path: Path, route: Route, report_share: Callable[[float], None]) -> LoadedModel:
+        """Load a model, reporting the share of its bytes read at most every LOAD_PROGRESS_STEP."""
+        return load_model(path, progress=_throttled(report_share), route=route, host_tables=self.launch.choices.host_tables)
+
+    def use(self, lm: LoadedModel) -> None:
+        self.lm = lm
+        self.switches.route = None
+
+    @property
+    def budget(self) -> int:
+        """Tokens of prompt and reply: --context, else the model's longest."""
+        return self.launch.context or self.lm.config.max_position_embeddings
+
+    def routes(self) -> tuple[str, ...]:
+        """Routes the loaded checkpoint can run, the one it runs first."""
+        return (self.lm.route, *(route for route in self.lm.routes if route != self.lm.route))
+
+    def switch_route(self, route: str) -> bool:
+        """Run `route` from the start of the engine's next pass (no reload); False when it runs already."""
+        if self.lm is None or route == (self.switches.route or self.lm.route):
+            return False
+        self.switches.route = Route(route)
+        return True
+
+    def set_accept(self, accept: Accept) -> None:
+        self.switches.accept = accept  # read at the next cycle
+
+    def session(self, store: Store, conversation_id: int) -> ChatSession:
+        return ChatSession(store, store.conversation(conversation_id), self.lm, self.budget, self.switches)
+
+    def reply_options(self, settings: ReplySettings) -> GenerateOptions:
+        return reply_options(settings, self.budget, self.launch.choices, self.switches.accept)
+
+
+def _throttled(report_share: Callable[[float], None]) -> Callable[[LoadProgress], None]:
+    """A load-progress callback that reports the share of bytes read, at most every LOAD_PROGRESS_STEP."""
+    last = -1.0
+
+    def progress(p: LoadProgress) -> None:
+        nonlocal last
+        share = p.done_bytes / p.total_bytes if p.total_bytes else 1.0
+        if share - last >= LOAD_PROGRESS_STEP or share >= 1.0:
+            last = share
+            report_share(share)
+
+    return progress
 
 
 class _Batcher:

@@ -19,6 +19,7 @@ import platformdirs
 from engine.errors import DuetError
 
 APP_NAME = "duet"
+FRESH_SEED = -1  # the config's seed for a fresh seed each reply (TOML has no null)
 KINDS = {int: "a whole number", float: "a number", str: "a string", bool: "true or false", dict: "a table"}
 
 
@@ -75,12 +76,15 @@ class Config:
     top_p: float = 0.95
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    seed: int = -1  # -1: a fresh seed each reply
+    presence_penalty: float = 0.0
+    seed: int = FRESH_SEED
     keys: dict[str, str] = field(default_factory=dict)  # binding id -> keys, e.g. {"chat.stop": "ctrl+c"}
 
     def __post_init__(self):
         if self.max_tokens < 1:
             raise DuetError(f"max_tokens must be at least 1 (got {self.max_tokens})")
+        if self.seed < FRESH_SEED:
+            raise DuetError(f"seed must be {FRESH_SEED} (a fresh seed each reply) or a whole number >= 0 (got {self.seed})")
 
 
 def load_config(path: Path) -> Config:

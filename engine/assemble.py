@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.backend import cpu
+from engine.backend.cpu_ops import CPU
 from engine.config import FULL_ATTENTION, ModelConfig
 from engine.heads import RescoredHead, ShortlistHead, shortlist_ids
 from engine.model import MLP, Attention, DecoderLayer, DeltaNet, Model, MoE, MTPHead
@@ -18,36 +18,45 @@ from engine.weights import ModelWeights, row_runs, take_rows
 HEAD_KEY = {True: "embed_tokens.weight", False: "lm_head.weight"}  # by tie_word_embeddings
 
 
-def assemble(weights: ModelWeights, route: str, host_tables: bool = False) -> Model:
-    """A Model whose linears run `route`; float arrays are shared with `weights`, not copied.
+def assemble(weights: ModelWeights, route: str, host_tables: bool = False, ops=CPU) -> Model:
+    """A Model whose linears run `route` on the op set `ops` (engine/backend/cpu_ops.py: on the CPU,
+    float arrays are shared with `weights`, not copied).
 
     host_tables: the output head ranks with an int4 copy and rescores with the bf16 rows
     (engine/heads.py); the checkpoint's head must then be float (the reader checked it).
     """
     c = weights.config
-    get = Linears(weights, route)
+    get = Linears(weights, route, ops)
     layers = [_layer(c, get, f"layers.{i}.", kind, c.moe_layers[i]) for i, kind in enumerate(c.layer_types)]
     lm_head, draft_head = _heads(c, get, host_tables)
     mtp = None
     if weights.has_mtp:
         mtp = MTPHead(
             fc=get.linear("mtp.fc.weight"),
-            norm_embedding=1.0 + weights("mtp.pre_fc_norm_embedding.weight"),
-            norm_hidden=1.0 + weights("mtp.pre_fc_norm_hidden.weight"),
+            norm_embedding=get.norm("mtp.pre_fc_norm_embedding.weight"),
+            norm_hidden=get.norm("mtp.pre_fc_norm_hidden.weight"),
             layer=_layer(c, get, "mtp.layers.0.", FULL_ATTENTION, c.is_moe),
-            norm=1.0 + weights("mtp.norm.weight"),
+            norm=get.norm("mtp.norm.weight"),
         )
-    return Model(c, weights("embed_tokens.weight"), layers, 1.0 + weights("norm.weight"), lm_head, mtp, draft_head)
+    return Model(c, ops.embedding(weights("embed_tokens.weight")), layers, get.norm("norm.weight"), lm_head, mtp,
+                 draft_head, ops)
 
 
 class Linears:
-    """The stored tensors of one model and the route their Linears run."""
+    """The stored tensors of one model, the route their Linears run and the op set they run on."""
 
-    def __init__(self, weights: ModelWeights, route: str):
-        self.weights, self.route = weights, route
+    def __init__(self, weights: ModelWeights, route: str, ops):
+        self.weights, self.route, self.ops = weights, route, ops
 
     def __call__(self, key: str) -> np.ndarray:
         return self.weights(key)
+
+    def vector(self, values: np.ndarray):
+        return self.ops.vector(values)
+
+    def norm(self, key: str):
+        """A zero-centred RMSNorm's scale: the stored weight w scales by (1 + w); the 1 is added once here."""
+        return self.ops.vector(1.0 + self(key))
 
     def part(self, key: str, expert: int | None = None, rows: np.ndarray | slice | None = None):
         """A matrix, that of one expert of a fused [E, ...] tensor, or some of its rows."""
@@ -59,14 +68,14 @@ class Linears:
         return self.stack([self.part(key, expert, rows) for key in keys])
 
     def stack(self, parts: list):
-        return stacked_linear(parts, self.route)
+        return stacked_linear(parts, self.route, self.ops)
 
 
-def stacked_linear(parts: list, route: str):
+def stacked_linear(parts: list, route: str, ops=CPU):
     """One Linear over matrices stacked by rows: a run of one storage form is one product, and
     runs of different forms run side by side."""
-    linears = [cpu.make_linear(run, route) for run in row_runs(parts)]
-    return linears[0] if len(linears) == 1 else cpu.ConcatOutputs(linears)
+    linears = [ops.linear(run, route) for run in row_runs(parts)]
+    return linears[0] if len(linears) == 1 else ops.concat_outputs(linears)
 
 
 def _heads(c: ModelConfig, get: Linears, host_tables: bool):
@@ -82,15 +91,14 @@ def _heads(c: ModelConfig, get: Linears, host_tables: bool):
     block = np.count_nonzero(ids == np.arange(len(ids)))  # the leading ids 0..block-1, then the stop tokens
     parts = [get.part(key, rows=slice(0, block))] + ([get.part(key, rows=ids[block:])] if block < len(ids) else [])
     linears = [get.stack([part]) for part in parts]
-    return head, ShortlistHead(linears[0] if len(linears) == 1 else cpu.ConcatOutputs(linears), ids, c.vocab_size)
+    return head, ShortlistHead(linears[0] if len(linears) == 1 else get.ops.concat_outputs(linears), ids, c.vocab_size)
 
 
 def _layer(c: ModelConfig, get: Linears, p: str, kind: str, moe: bool) -> DecoderLayer:
     mixer = _attention(c, get, p + "self_attn.") if kind == FULL_ATTENTION else _deltanet(c, get, p + "linear_attn.")
     ffn = _moe(c, get, p + "mlp.") if moe else _mlp(get, p + "mlp.")
-    # Zero-centred RMSNorm: the stored weight w scales by (1 + w); add the 1 once here.
-    return DecoderLayer(mixer, ffn, 1.0 + get(p + "input_layernorm.weight"),
-                        1.0 + get(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
+    return DecoderLayer(mixer, ffn, get.norm(p + "input_layernorm.weight"), get.norm(p + "post_attention_layernorm.weight"),
+                        c.rms_norm_eps, get.ops)
 
 
 def _attention(c: ModelConfig, get: Linears, p: str) -> Attention:
@@ -99,32 +107,34 @@ def _attention(c: ModelConfig, get: Linears, p: str) -> Attention:
         k_proj=get.linear(p + "k_proj.weight"),
         v_proj=get.linear(p + "v_proj.weight"),
         o_proj=get.linear(p + "o_proj.weight"),
-        q_norm=1.0 + get(p + "q_norm.weight"),
-        k_norm=1.0 + get(p + "k_norm.weight"),
+        q_norm=get.norm(p + "q_norm.weight"),
+        k_norm=get.norm(p + "k_norm.weight"),
         config=c,
+        ops=get.ops,
     )
 
 
 def _deltanet(c: ModelConfig, get: Linears, p: str) -> DeltaNet:
     return DeltaNet(
         in_proj=get.linear(*(f"{p}in_proj_{name}.weight" for name in ("qkv", "z", "b", "a"))),
-        conv=get(p + "conv1d.weight")[:, 0, :],
-        decay_rate=-np.exp(get(p + "A_log")),
-        dt_bias=get(p + "dt_bias"),
-        norm=get(p + "norm.weight"),
+        conv=get.vector(get(p + "conv1d.weight")[:, 0, :]),
+        decay_rate=get.vector(-np.exp(get(p + "A_log"))),
+        dt_bias=get.vector(get(p + "dt_bias")),
+        norm=get.vector(get(p + "norm.weight")),
         out_proj=get.linear(p + "out_proj.weight"),
         config=c,
+        ops=get.ops,
     )
 
 
 def _mlp(get: Linears, p: str) -> MLP:
-    return MLP(get.linear(p + "gate_proj.weight", p + "up_proj.weight"), get.linear(p + "down_proj.weight"))
+    return MLP(get.linear(p + "gate_proj.weight", p + "up_proj.weight"), get.linear(p + "down_proj.weight"), get.ops)
 
 
 def _moe(c: ModelConfig, get: Linears, p: str) -> MoE:
     if get.weights.fused_experts:
-        experts = [MLP(get.linear(p + "experts.gate_up_proj", expert=e), get.linear(p + "experts.down_proj", expert=e))
-                   for e in range(c.num_experts)]
+        experts = [MLP(get.linear(p + "experts.gate_up_proj", expert=e), get.linear(p + "experts.down_proj", expert=e),
+                       get.ops) for e in range(c.num_experts)]
     else:
         experts = [_mlp(get, f"{p}experts.{e}.") for e in range(c.num_experts)]
     return MoE(
@@ -134,4 +144,5 @@ def _moe(c: ModelConfig, get: Linears, p: str) -> MoE:
         shared_gate=get.linear(p + "shared_expert_gate.weight"),
         top_k=c.num_experts_per_tok,
         normalize=c.norm_topk_prob,
+        ops=get.ops,
     )

@@ -171,6 +171,11 @@ class SequenceState:
         self.length = 0
         self.length_before_last_call = 0
 
+    def advance(self, T: int) -> None:
+        """T more tokens were run (their rows are in the caches)."""
+        self.length_before_last_call = self.length
+        self.length += T
+
     def keep(self, rows: int) -> None:
         """Roll back the last (row-by-row) call to its first `rows` rows."""
         end = self.length_before_last_call + rows

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 from textual.app import App
 from textual.binding import Binding
 
-from app.catalog import find_local
-from app.headless import parse_depth
-from app.session import EngineChoices, Launch
-from app.settings import Config, Paths, bundled_demo_model, load_config, save_config, user_paths
+from app.session import Launch
+from app.settings import Config, Paths, save_config
 from app.store import Store
 from app.ui.screens.chat import ChatScreen
-from engine.errors import DuetError
-
-HEADLESS_ONLY = ("raw", "json", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                 "presence_penalty", "seed")
 
 
 class DuetApp(App):
@@ -32,8 +23,7 @@ class DuetApp(App):
 
     def on_mount(self) -> None:
         self.set_keymap(self.config.keys)
-        launch = self.launch
-        self.push_screen(ChatScreen(launch))
+        self.push_screen(ChatScreen(self.launch))
 
     async def action_quit(self) -> None:
         for screen in self.screen_stack:
@@ -48,28 +38,7 @@ class DuetApp(App):
         save_config(self.config, self.paths.config_file)
 
 
-def run_ui(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """`duet [--model M] [--route R] [--accept A] [--draft D] [--depth N] [--kv K] [--context N]`: the chat UI."""
-    given = [name for name in HEADLESS_ONLY if getattr(args, name) != parser.get_default(name)]
-    if given:
-        flag = "--" + given[0].replace("_", "-")
-        raise DuetError(f"{flag} applies to --headless; in the chat UI set replies up with ctrl+s")
-    paths = user_paths()
-    config = load_config(paths.config_file)
-    launch = Launch(model_path(args.model, config, paths), args.route, args.context,
-                    EngineChoices(args.draft, parse_depth(args.depth), args.kv, args.host_tables), args.accept)
+def run_ui(paths: Paths, config: Config, launch: Launch) -> int:
+    """The chat UI until the user quits."""
     DuetApp(paths, config, launch).run()
     return 0
-
-
-def model_path(name: str | None, config: Config, paths: Paths) -> Path:
-    """--model, else the config's model: a folder or .gguf file, or a name from `duet models list`; else the demo."""
-    name = name or config.model
-    folder = Path(name).expanduser() if name else bundled_demo_model()
-    if folder.exists():
-        return folder
-    found = find_local(name, paths.models_dir) if name else None
-    if found is None:
-        raise DuetError(f"{folder}: no such model folder or file, and no model of that name on disk; "
-                        "see duet models list")
-    return found.path

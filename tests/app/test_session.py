@@ -1,4 +1,5 @@
-"""ChatSession: batching, saving, stop, switches, and the context budget, on a tiny real model."""
+"""ChatSession and EngineHost: batching, saving, stop, switches, the context budget and a reply's engine
+options, on a tiny real model."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import threading
 import pytest
 from conftest import build_reference, save_reference
 
-from app.session import ChatSession, ContextFull, EngineChoices, ReplyChunk, ReplyDone, reply_options, split_thinking
+from app.cli import main_parser
+from app.session import (
+    LOAD_PROGRESS_STEP, ChatSession, ContextFull, EngineChoices, EngineHost, Launch, ReplyChunk, ReplyDone,
+    reply_options, split_thinking,
+)
 from app.settings import Config
 from app.store import Store
-from engine import GenerateOptions, load_model
-from engine.errors import DuetError
+from engine import Accept, Draft, DuetError, GenerateOptions, KVCache, Route, load_model
 
 
 @pytest.fixture(scope="module")
@@ -135,12 +139,41 @@ def test_a_full_context_asks_and_dropping_turns_keeps_them_saved(store, tiny_lm)
 
 
 def test_reply_options_follow_the_config_and_the_engine_choices():
-    choices = EngineChoices(draft="ngram", depth=3, kv="q4")
-    options = reply_options(Config(max_tokens=7, temperature=0.5, top_k=20, seed=-1), 1024, choices, "lossy")
+    choices = EngineChoices(draft=Draft.NGRAM, depth=3, kv=KVCache.Q4)
+    options = reply_options(Config(max_tokens=7, temperature=0.5, top_k=20, seed=-1), 1024, choices, Accept.LOSSY)
     assert (options.max_tokens, options.context, options.accept) == (7, 1024, "lossy")
     assert (options.draft, options.depth, options.kv) == ("ngram", 3, "q4")
     assert options.sampling.temperature == 0.5 and options.sampling.top_k == 20 and options.sampling.seed is None
-    assert reply_options(Config(seed=3), 1024, EngineChoices(), "exact").sampling.seed == 3
+    assert reply_options(Config(seed=3), 1024, EngineChoices(), Accept.EXACT).sampling.seed == 3
+
+
+def test_the_bf16_kv_cache_is_the_one_the_generator_calls_full():
+    assert reply_options(Config(), 1024, EngineChoices(kv=KVCache.BF16), Accept.EXACT).kv == "full"
+
+
+def test_headless_flags_and_the_config_give_the_same_options_for_the_same_settings():
+    args = main_parser().parse_args(["--headless", "fox", "--max-tokens", "7", "--temperature", "0.5", "--top-k", "20",
+                                     "--presence-penalty", "0.3", "--seed", "4"])
+    config = Config(max_tokens=7, temperature=0.5, top_k=20, top_p=1.0, presence_penalty=0.3, seed=4)
+    assert reply_options(args, 512, EngineChoices(), Accept.EXACT) == reply_options(config, 512, EngineChoices(), Accept.EXACT)
+
+
+def test_the_host_loads_with_progress_and_holds_budget_route_and_switches(store, tmp_path_factory):
+    folder = save_reference(build_reference("qwen3_5_text"), tmp_path_factory.mktemp("host") / "tiny")
+    host = EngineHost(Launch(folder, choices=EngineChoices(draft=Draft.NONE)))
+    shares: list[float] = []
+    lm = host.load(folder, Route.AUTO, shares.append)
+    assert host.lm is None  # loaded in a worker; the UI's thread makes it current
+    assert shares == sorted(shares) and shares[-1] == 1.0 and len(shares) <= 1 / LOAD_PROGRESS_STEP + 1
+    host.use(lm)
+    assert host.budget == lm.config.max_position_embeddings
+    assert host.routes() == ("bf16",) and not host.switch_route("bf16")  # the route it runs already
+    host.set_accept(Accept.LOSSY)
+    options = host.reply_options(Config(max_tokens=5))
+    assert (options.accept, options.draft, options.context) == ("lossy", "none", host.budget)
+    session = host.session(store, store.create_conversation().id)
+    assert session.switches is host.switches and session.context_budget == host.budget
+    assert EngineHost(Launch(folder, context=96)).budget == 96
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -55,7 +55,7 @@ def chat(app) -> ChatScreen:
 
 async def loaded(pilot) -> ChatScreen:
     screen = chat(pilot.app)
-    await wait_for(pilot, lambda: screen.lm is not None)
+    await wait_for(pilot, lambda: screen.host.lm is not None)
     return screen
 
 
@@ -330,7 +330,7 @@ async def test_the_route_switch_lists_the_checkpoints_routes_and_runs_the_chosen
     app = make_app(model=int4)
     async with app.run_test(size=SIZE) as pilot:
         screen = await loaded(pilot)
-        lm = screen.lm
+        lm = screen.host.lm
         select = screen.query_one("#route", Select)
         assert [value for _, value in select._options if value != Select.NULL] == ["w4a16", "w4a8", "bf16"]
         assert select.value == "w4a16"
@@ -338,7 +338,7 @@ async def test_the_route_switch_lists_the_checkpoints_routes_and_runs_the_chosen
         await pilot.pause()
         assert "Route w4a8 from the next reply" in last_note(app).message
         await send(pilot, "fox")
-        assert screen.lm is lm and lm.route == "w4a8"  # the same loaded model, not a reload
+        assert screen.host.lm is lm and lm.route == "w4a8"  # the same loaded model, not a reload
         assert saved_messages(app)[-1].route == "w4a8"
         assert "w4a8" in screen.query(MessageView).last().border_title
 
@@ -353,7 +353,7 @@ async def test_switching_route_and_rule_while_a_reply_streams_applies_from_the_n
         screen = await start_streaming(pilot)
         await pilot.press("ctrl+t")  # first, so the pass that takes the new route also runs the new rule
         screen.query_one("#route", Select).value = "w4a8"
-        await wait_for(pilot, lambda: screen.lm.route == "w4a8")
+        await wait_for(pilot, lambda: screen.host.lm.route == "w4a8")
         assert "from the next cycle of this reply" in "".join(n.message for n in app._notifications)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not screen.streaming)

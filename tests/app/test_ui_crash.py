@@ -36,7 +36,7 @@ DRIVER = textwrap.dedent("""
         app = DuetApp(user_paths(), Config(max_tokens=int(sys.argv[2])), launch)
         async with app.run_test(size=(120, 40)) as pilot:
             screen = app.screen
-            await until(pilot, lambda: screen.lm is not None)
+            await until(pilot, lambda: screen.host.lm is not None)
             for text in ("first message", "second message"):
                 screen.query_one("#prompt", Input).value = text
                 await pilot.press("enter")

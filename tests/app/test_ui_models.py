@@ -62,7 +62,7 @@ def make_app(model) -> DuetApp:
 
 async def open_models(pilot) -> ModelsScreen:
     chat = pilot.app.screen
-    await wait_for(pilot, lambda: chat.lm is not None)
+    await wait_for(pilot, lambda: chat.host.lm is not None)
     await pilot.press("f3")
     await wait_for(pilot, lambda: isinstance(pilot.app.screen, ModelsScreen))
     return pilot.app.screen
@@ -111,7 +111,7 @@ async def test_enter_on_a_model_on_disk_loads_it_for_chat(hub, tiny_model):
         await pilot.press("enter")
         chat = app.screen
         assert isinstance(chat, ChatScreen)
-        await wait_for(pilot, lambda: chat.lm is not None and chat.lm.name == "other")
+        await wait_for(pilot, lambda: chat.host.lm is not None and chat.host.lm.name == "other")
         assert "other" in str(chat.query_one("#model-name", Label).render())
 
 

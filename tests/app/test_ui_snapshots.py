@@ -10,6 +10,7 @@ from app.settings import Config, user_paths
 from app.store import Store
 from app.session import Launch
 from app.ui.app import DuetApp
+from app.ui.screens.chat import ChatScreen
 
 SIZE = (130, 36)
 STATS = {"prompt_tokens": 24, "generated_tokens": 40, "prefill_tok_s": 812.5, "decode_tok_s": 41.3, "cycles": 18,
@@ -47,7 +48,7 @@ def duet(model, context=None) -> DuetApp:
 async def until_loaded(pilot, *keys: str) -> None:
     """Wait for the model, press keys, and hold still: no blinking cursor, no pending rendering."""
     for _ in range(400):
-        if getattr(pilot.app.screen, "lm", None) is not None:
+        if isinstance(pilot.app.screen, ChatScreen) and pilot.app.screen.host.lm is not None:
             break
         await pilot.pause(0.05)
     await pilot.press(*keys)

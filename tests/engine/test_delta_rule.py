@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from engine.cache import DeltaNetState
-from engine.model import CHUNK, decay, delta_rule_chunked, delta_rule_rows, l2_normalize, unit_lower_inverse
+from engine.backend.cpu_ops import CHUNK, decay, delta_rule_chunked, delta_rule_rows, l2_normalize, unit_lower_inverse
 
 SMALLEST_NORMAL = np.finfo(np.float32).tiny
 

@@ -1,6 +1,8 @@
-"""Each GPU kernel against the CPU route numerics (engine/backend/cpu.py, engine/model.py,
-engine/cache.py), on a GPU machine. Elsewhere every test here is skipped with the reason; the
-kernels are still compiled for sm_86 and sm_90 by test_kernels_compile.py.
+"""Each GPU op (engine/backend/cupy_backend.py) against the CPU route numerics (engine/backend/cpu.py,
+engine/model.py, engine/cache.py), on two devices (the `cp` fixture): a GPU, where there is one
+(elsewhere those cases are skipped with the reason; the kernels are still compiled for sm_86 and
+sm_90 by test_kernels_compile.py), and the simulated device (simulated_device.py), where numpy twins
+of the kernels run under the same op wrappers: it checks the launches and the twins, not the CUDA code.
 
 Per-op tolerances (what may differ, and the bound that follows):
 - bit-exact: bf16 rounding, int8 activation codes and scales (plain and Hadamard-rotated), argmax,
@@ -18,28 +20,22 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from engine.backend import cpu
-from engine.backend.select import backend_name
+from engine.backend import cupy_backend as gb
 from engine.cache import DeltaNetState, Q4KVCache
-from engine.model import apply_rope, attend, causal_conv, delta_rule_rows, l2_normalize, rms_norm, rope_tables, sigmoid, silu
+from engine.backend.cpu_ops import apply_rope, attend, causal_conv, delta_rule_rows, l2_normalize, rms_norm, rope_tables, sigmoid, silu
 from engine.quant.activation import f32_to_bf16_bits, quantize_int8_blocks, round_to_bf16
 from engine.quant.gguf_blocks import BlockMatrix
 from engine.quant.trellis import TrellisWeight, rotated_int8_activations, rotation_signs
 from engine.quant.w4 import W4Weight, pack_levels, quantize_rtn
 
-GPU = backend_name("auto") == "cupy"
-pytestmark = pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU and CuPy (pip install 'duet[gpu]'); "
-                                                "the kernels are compile-checked in test_kernels_compile.py")
-if GPU:
-    import cupy as cp
-
-    from engine.backend import cupy_backend as gb
+pytestmark = pytest.mark.usefixtures("cp")  # every test runs on each device
 
 SUM_RTOL = 2e-6
 ROW_COUNTS = [1, 3, 8, 9, 16, 21]  # one and two n8 tiles, partial tiles, and a prefill past 16 rows
 
 
 def host(a) -> np.ndarray:
-    return cp.asnumpy(a)
+    return a.get()
 
 
 def assert_sum_close(got, want, magnitude, rtol=SUM_RTOL):
@@ -69,14 +65,14 @@ def test_w4a16_matches_cpu(T, N, K):
     assert_sum_close(got, want, magnitude)
 
 
-def test_bf16_rounding_is_bit_exact():
+def test_bf16_rounding_is_bit_exact(cp):
     x = np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 1e3
     assert np.array_equal(host(gb.to_bf16_bits(cp.asarray(x))), f32_to_bf16_bits(x))
 
 
 # ------------------------------------------------------------------------- w4a8 ---
 
-def test_int8_activations_are_bit_exact():
+def test_int8_activations_are_bit_exact(cp):
     x = np.random.default_rng(1).standard_normal((5, 1024)).astype(np.float32)
     x[0, :32] = 0  # an all-zero block: scale 0, codes 0
     q, scale = gb.quantize_int8(cp.asarray(x))
@@ -121,7 +117,7 @@ def random_trellis(N: int, K: int, k: int, seed: int) -> TrellisWeight:
     return TrellisWeight(packed, rng.uniform(0.5, 2.0, N).astype(np.float32), (N, K), k, seed)
 
 
-def test_rotated_int8_activations_are_bit_exact():
+def test_rotated_int8_activations_are_bit_exact(cp):
     x = np.random.default_rng(2).standard_normal((3, 512)).astype(np.float32)
     signs = cp.asarray(rotation_signs(512, 11))
     q, scale = gb.rotate_quantize_int8(cp.asarray(x), signs)
@@ -146,7 +142,7 @@ def test_trellis_matches_cpu(T, k):
 # --------------------------------------------------------------------- DeltaNet ---
 
 @pytest.mark.parametrize("dk,dv,hk,hv", [(32, 64, 2, 4), (128, 128, 16, 48)])
-def test_deltanet_rows_and_snapshots_match_cpu(dk, dv, hk, hv):
+def test_deltanet_rows_and_snapshots_match_cpu(dk, dv, hk, hv, cp):
     rng = np.random.default_rng(dk)
     T = 5
     q = l2_normalize(rng.standard_normal((T, hk, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
@@ -172,7 +168,7 @@ def test_deltanet_rows_and_snapshots_match_cpu(dk, dv, hk, hv):
     np.testing.assert_allclose(host(state.recurrent), cpu_state.row_states[1], rtol=1e-4, atol=1e-5)
 
 
-def test_causal_conv_matches_cpu_and_rolls_back():
+def test_causal_conv_matches_cpu_and_rolls_back(cp):
     rng = np.random.default_rng(3)
     T, C, KW = 4, 96, 4
     mixed = rng.standard_normal((T, C)).astype(np.float32)
@@ -202,7 +198,7 @@ def attention_inputs(T, past, heads, kv, hd, seed):
 
 @pytest.mark.parametrize("T,past", [(1, 0), (1, 700), (6, 1500)])
 @pytest.mark.parametrize("hd", [64, 256])
-def test_attention_bf16_cache_matches_cpu(T, past, hd):
+def test_attention_bf16_cache_matches_cpu(T, past, hd, cp):
     heads, kv = 8, 2
     q, keys, values = attention_inputs(T, past, heads, kv, hd, seed=T + past)
     cache = gb.KVCache(kv, hd, capacity=past + T)
@@ -215,7 +211,7 @@ def test_attention_bf16_cache_matches_cpu(T, past, hd):
 
 
 @pytest.mark.parametrize("T,past", [(1, 2), (4, 300), (3, 1200)])
-def test_attention_q4_cache_matches_cpu(T, past):
+def test_attention_q4_cache_matches_cpu(T, past, cp):
     heads, kv, hd = 8, 2, 128
     q, keys, values = attention_inputs(T, past, heads, kv, hd, seed=past)
     cpu_cache = Q4KVCache(kv, hd)
@@ -234,7 +230,7 @@ def test_attention_q4_cache_matches_cpu(T, past):
 
 # ------------------------------------------------------------------------ norms ---
 
-def test_norms_gates_and_rope_match_cpu():
+def test_norms_gates_and_rope_match_cpu(cp):
     rng = np.random.default_rng(4)
     T, heads, hd, eps = 3, 4, 256, 1e-6
     x = rng.standard_normal((T, 5120)).astype(np.float32)

@@ -18,7 +18,7 @@ import torch
 from app.cli import main
 from conftest import build_reference, save_reference
 from engine import CheckpointError, DuetError, GenerateOptions, SamplingParams, Switches, Tokens, generate, load_model
-from engine.model import softmax
+from engine.backend.cpu_ops import softmax
 from engine.speculative import NoDrafter
 
 DIMS = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)

@@ -93,7 +93,7 @@ def test_a_damaged_demo_model_is_one_line_naming_the_file(tmp_path, capsys, monk
     ("demo_gguf/demo-q8_0.gguf", "w4a8", 0.002),
 ])
 def test_shipped_conversions_keep_the_model(demo, folder, route, max_kl):
-    from engine.model import softmax
+    from engine.backend.cpu_ops import softmax
 
     converted = load_model(bundled_demo_model().parent / folder, route=route)
     assert converted.model.mtp is not None and converted.route == route

@@ -1,7 +1,9 @@
 """The chat screen: conversations on the left, the conversation in the middle, readouts on the right.
 
+The screen shows; app.session's EngineHost holds the model, its route, the budget and the switches.
 The model loads and replies generate in thread workers; they reach this screen as posted messages
-(load progress throttled, reply text batched by ChatSession), so keys work while a reply streams.
+(load progress throttled by the host, reply text batched by ChatSession), so keys work while a reply
+streams.
 """
 
 from __future__ import annotations
@@ -19,19 +21,15 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Label, ListView, ProgressBar, Select, Switch
 from textual.worker import get_current_worker
 
-from app.session import (
-    ChatSession, ContextFull, Launch, Readout, ReplyChunk, ReplyDone, available_routes, reply_options,
-)
 from app.exports import export_conversation
+from app.session import ChatSession, ContextFull, EngineHost, Launch, Readout, ReplyChunk, ReplyDone
 from app.ui.screens.dialogs import Confirm, ContextFullChoice, ExportChoice, ReplySettings, TextPrompt
 from app.ui.screens.models import ModelsScreen
 from app.ui.widgets.conversation_list import ConversationItem, ConversationList
 from app.ui.widgets.message_view import MessageView
 from app.ui.widgets.readouts import ContextMeter, Readouts, SwitchPanel
-from engine import LoadedModel, LoadProgress, Switches, load_model
-from engine.errors import DuetError
+from engine import Accept, DuetError, LoadedModel, Route
 
-LOAD_PROGRESS_STEP = 0.02  # post load progress at most every 2% of the bytes
 QUIT_WAIT_SECONDS = 5.0  # on quit, how long to wait for a stopped reply to be saved
 
 
@@ -76,10 +74,7 @@ class ChatScreen(Screen):
 
     def __init__(self, launch: Launch):
         super().__init__()
-        self.model_path, self.route, self.context = launch.model_path, launch.route, launch.context
-        self.choices, self.accept = launch.choices, launch.accept
-        self.switches = Switches(launch.accept)  # shared by every session; the engine reads it each cycle
-        self.lm: LoadedModel | None = None
+        self.host = EngineHost(launch)
         self.session: ChatSession | None = None
         self.conversation_id: int | None = None
         self.cancel: threading.Event | None = None  # set while a reply streams
@@ -107,9 +102,9 @@ class ChatScreen(Screen):
         if conversations:
             await self.open_conversation(conversations[0].id)
         await self.show_conversations()
-        self.query_one(SwitchPanel).set_accept(self.accept)
+        self.query_one(SwitchPanel).set_accept(self.host.switches.accept)
         self.query_one("#prompt", Input).focus()
-        self.start_loading(self.model_path, self.route)
+        self.start_loading(self.host.launch.model_path, self.host.launch.route)
 
     @property
     def streaming(self) -> bool:
@@ -117,17 +112,16 @@ class ChatScreen(Screen):
 
     # ---- loading the model ----
 
-    def start_loading(self, path: Path, route: str) -> None:
+    def start_loading(self, path: Path, route: Route) -> None:
         self.query_one("#loading", ProgressBar).update(progress=0)
         self.query_one("#loading").display = True
         self.query_one("#model-name", Label).update(f"loading {path.name}…")
         self.load_model_in_background(path, route)
 
     @work(thread=True, exclusive=True, group="load")
-    def load_model_in_background(self, path: Path, route: str) -> None:
-        report = _throttled(lambda share: self.post_message(self.LoadProgressed(share)))
+    def load_model_in_background(self, path: Path, route: Route) -> None:
         try:
-            lm = load_model(path, progress=report, route=route, host_tables=self.choices.host_tables)
+            lm = self.host.load(path, route, lambda share: self.post_message(self.LoadProgressed(share)))
         except DuetError as error:
             self.post_message(self.LoadFailed(str(error)))
             return
@@ -143,21 +137,13 @@ class ChatScreen(Screen):
         self.notify(message.error, title="Could not load the model", severity="error", timeout=10)
 
     def on_chat_screen_model_loaded(self, message: ModelLoaded) -> None:
-        self.lm, self.model_path, self.route = message.lm, message.lm.path, message.lm.route
-        self.switches.route = None
+        host = self.host
+        host.use(message.lm)
         self.query_one("#loading").display = False
-        self.query_one("#model-name", Label).update(f"{self.lm.name} · {self.budget:,} tokens")
-        self.query_one(SwitchPanel).set_routes(available_routes(self.lm), self.lm.route)
-        self.session = self.new_session(self.conversation_id) if self.conversation_id is not None else None
+        self.query_one("#model-name", Label).update(f"{host.lm.name} · {host.budget:,} tokens")
+        self.query_one(SwitchPanel).set_routes(host.routes(), host.lm.route)
+        self.session = host.session(self.app.store, self.conversation_id) if self.conversation_id is not None else None
         self.update_context_meter()
-
-    @property
-    def budget(self) -> int:
-        return self.context or self.lm.config.max_position_embeddings
-
-    def new_session(self, conversation_id: int) -> ChatSession:
-        conversation = self.app.store.conversation(conversation_id)
-        return ChatSession(self.app.store, conversation, self.lm, self.budget, self.switches)
 
     # ---- conversations ----
 
@@ -166,7 +152,8 @@ class ChatScreen(Screen):
 
     async def open_conversation(self, conversation_id: int | None) -> None:
         self.conversation_id = conversation_id
-        self.session = self.new_session(conversation_id) if self.lm and conversation_id is not None else None
+        self.session = (self.host.session(self.app.store, conversation_id)
+                        if self.host.lm and conversation_id is not None else None)
         messages = self.app.store.messages(conversation_id) if conversation_id is not None else []
         container = self.query_one("#messages", VerticalScroll)
         await container.remove_children()
@@ -241,7 +228,7 @@ class ChatScreen(Screen):
         text = event.value.strip()
         if not text or self.refuse_while_streaming():
             return
-        if self.lm is None:
+        if self.host.lm is None:
             self.notify("No model is loaded yet; wait for it, or press F3 to pick one", severity="warning")
             return
         session = self.ensure_session()
@@ -256,7 +243,7 @@ class ChatScreen(Screen):
         if self.session is None:
             conversation = self.app.store.create_conversation(system_prompt=self.app.config.system_prompt)
             self.conversation_id = conversation.id
-            self.session = self.new_session(conversation.id)
+            self.session = self.host.session(self.app.store, conversation.id)
         return self.session
 
     async def context_choice(self, text: str, choice: str | None) -> None:
@@ -287,7 +274,7 @@ class ChatScreen(Screen):
         self.reply_view = MessageView(role="assistant")
         await self.query_one("#messages", VerticalScroll).mount(self.reply_view)
         self.query_one(Readouts).start_reply()
-        options = reply_options(self.app.config, self.budget, self.choices, self.accept)
+        options = self.host.reply_options(self.app.config)
         self.generate_in_background(self.session, options, self.cancel, self.reply_saved)
 
     @work(thread=True, group="reply")
@@ -308,7 +295,7 @@ class ChatScreen(Screen):
             await self.reply_view.append(event.text)
             if event.readout.recent_tok_s:
                 readouts.add_speed(event.readout.recent_tok_s)
-            self.query_one(ContextMeter).show(event.readout.prompt_tokens + event.readout.generated_tokens, self.budget)
+            self.query_one(ContextMeter).show(event.readout.prompt_tokens + event.readout.generated_tokens, self.host.budget)
             return
         await self.reply_view.finish(event.message)
         self.end_reply()
@@ -349,19 +336,18 @@ class ChatScreen(Screen):
         await self.start_reply()
 
     def update_context_meter(self) -> None:
-        if self.lm is None:
+        if self.host.lm is None:
             return
         used = self.session.context_used() if self.session else 0
-        self.query_one(ContextMeter).show(used, self.budget)
+        self.query_one(ContextMeter).show(used, self.host.budget)
 
     # ---- switches and settings ----
 
     @on(Select.Changed, "#route")
     def route_chosen(self, event: Select.Changed) -> None:
         """Another route of the loaded weights: the engine takes it at the start of its next pass, no reload."""
-        if self.lm is None or event.value is Select.NULL or event.value == (self.switches.route or self.lm.route):
+        if event.value is Select.NULL or not self.host.switch_route(event.value):
             return
-        self.switches.route = event.value
         when = "from the next cycle of this reply" if self.streaming else "from the next reply"
         self.notify(f"Route {event.value} {when}")
 
@@ -371,7 +357,7 @@ class ChatScreen(Screen):
 
     @on(Switch.Changed, "#accept")
     def accept_switched(self, event: Switch.Changed) -> None:
-        self.accept = self.switches.accept = "lossy" if event.value else "exact"  # read at the next cycle
+        self.host.set_accept(Accept.LOSSY if event.value else Accept.EXACT)
 
     def action_settings(self) -> None:
         prompt = self.session.conversation.system_prompt if self.session else self.app.config.system_prompt
@@ -415,18 +401,5 @@ class ChatScreen(Screen):
 
     def model_chosen(self, path: Path | None) -> None:
         if path is not None:
-            self.start_loading(path, "auto")
+            self.start_loading(path, Route.AUTO)
 
-
-def _throttled(report):
-    """A load-progress callback that reports the share of bytes read, at most every LOAD_PROGRESS_STEP."""
-    last = -1.0
-
-    def progress(p: LoadProgress) -> None:
-        nonlocal last
-        share = p.done_bytes / p.total_bytes if p.total_bytes else 1.0
-        if share - last >= LOAD_PROGRESS_STEP or share >= 1.0:
-            last = share
-            report(share)
-
-    return progress

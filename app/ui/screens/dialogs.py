@@ -11,9 +11,9 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, TextArea
 
+from app.session import sampling_params
 from app.settings import Config
-from engine.errors import DuetError
-from engine.sampling import SamplingParams
+from engine import DuetError
 
 SHOWN_CODE_CHARS = 60
 
@@ -162,8 +162,7 @@ class ReplySettings(Dialog):
                 raise DuetError(f"{name.replace('_', ' ')} must be a {'whole ' if kind is int else ''}number "
                                 f"(got {text!r})") from None
         config = replace(self.config, **values)
-        SamplingParams(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, min_p=config.min_p,
-                       repetition_penalty=config.repetition_penalty)  # raises DuetError on a bad value
+        sampling_params(config)  # raises DuetError on a bad value
         return config
 
 

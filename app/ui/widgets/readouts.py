@@ -7,6 +7,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, ProgressBar, Select, Sparkline, Static, Switch
 
 from app.session import WARN_SHARE, Readout
+from engine import Accept
 
 SPARKLINE_POINTS = 40
 NOTHING = "—"
@@ -64,8 +65,8 @@ class SwitchPanel(Vertical):
         select.set_options([(route, route) for route in routes])
         select.value = current
 
-    def set_accept(self, mode: str) -> None:
-        self.query_one("#accept", Switch).value = mode == "lossy"
+    def set_accept(self, rule: Accept) -> None:
+        self.query_one("#accept", Switch).value = rule == Accept.LOSSY
 
 
 class ContextMeter(Vertical):
