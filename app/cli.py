@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 from pathlib import Path
 
+from app.bench import BENCHMARKS, add_bench_commands
 from app.catalog import find_local
 from app.session import EngineChoices, Launch
 from app.settings import Config, Paths, bundled_demo_model, load_config, user_paths
@@ -85,8 +86,6 @@ def _run_subcommand(argv: list[str]) -> int:
     parser = OneLineParser(prog="duet")
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side")
-    from app.bench import add_bench_commands
-
     add_bench_commands(bench)
     models = commands.add_parser("models", help="the model catalog, downloads and models on disk")
     from app.models_cli import add_models_commands
@@ -105,7 +104,7 @@ def main_parser() -> OneLineParser:
         prog="duet",
         description="Chat with Qwen3.5-family models. Without --headless, opens the chat UI.",
         epilog="Also: duet models {list,pull,rm,info,import} · duet convert SRC DST --format FORMAT · "
-               "duet bench {decode,spec,quality,routes,trellis,make-random} (each with --help)",
+               f"duet bench {{{','.join(b.name for b in BENCHMARKS)}}} (each with --help)",
     )
     parser.add_argument("--model", help="model folder (default: the bundled demo model)")
     parser.add_argument("--route", **choice(Route), default=Route.AUTO,

@@ -2,7 +2,7 @@
 # The GPU checks of issue 9, on a fresh NVIDIA machine (RTX 3090 sm_86 or H100/H200 sm_90), in
 # under 8 minutes: install what is missing, run the compile check and every GPU test (kernels
 # against the CPU numerics, the GPU model against the CPU engine, graphs against uncaptured
-# passes), print both tables of app/bench_gpu.py (W4 GEMV bandwidth; decode cycle against the bill
+# passes), print both tables of `duet bench gpu` (W4 GEMV bandwidth; decode cycle against the bill
 # of bytes). Run from anywhere: bash scripts/gpu_check.sh
 #
 # Installs into the Python that runs it (PYTHON, default python3): an image that already has CuPy
@@ -44,5 +44,5 @@ echo "== compile check (sm_86, sm_90) and GPU tests"
     tests/engine/test_gpu_model.py tests/app/test_bench_gpu.py
 
 echo "== W4 GEMV bandwidth and the decode cycle, both routes (tests took ${SECONDS}s)"
-"$PY" -m app.bench_gpu --repeats 10
+"$PY" -m app.cli bench gpu --repeats 10
 echo "== done in ${SECONDS}s"

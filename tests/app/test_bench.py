@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from app.bench import TransformersProcess, load_transformers, random_model_config, random_prompt, transformers_engine
+from app.bench.common import GEOMETRIES, random_prompt
+from app.bench.decode import TransformersProcess, load_transformers, transformers_engine
+from app.bench.make_random import random_model_config
 from app.cli import main
 from conftest import build_reference, save_reference
 from engine.config import FULL_ATTENTION, ModelConfig
@@ -85,9 +87,7 @@ def test_make_random_geometry_reads_back_as_qwen35_08b():
 
 def test_heads_bench_times_each_head_against_the_full_one(monkeypatch, capsys):
     """On a smaller vocabulary than the real geometry's (the command, not its figures, is under test)."""
-    from app import bench
-
-    monkeypatch.setitem(bench.GEOMETRIES, "qwen3.5-0.8b", dict(bench.GEOMETRIES["qwen3.5-0.8b"], vocab_size=70_000, hidden_size=128))
+    monkeypatch.setitem(GEOMETRIES, "qwen3.5-0.8b", dict(GEOMETRIES["qwen3.5-0.8b"], vocab_size=70_000, hidden_size=128))
     assert main(["bench", "heads", "--repeats", "1", "--rows", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert (result["vocab"], result["hidden"], result["shortlist_rows"]) == (70_000, 128, 65_536)

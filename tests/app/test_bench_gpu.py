@@ -1,6 +1,6 @@
 """The GPU benchmark's geometry and table (the measurement itself runs in scripts/gpu_check.sh)."""
 
-from app import bench_gpu
+from app.bench import gpu as bench_gpu
 
 
 def test_shapes_are_the_27b_geometry():

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from app import bench_trellis
+from app.bench import trellis as bench_trellis
 from app.cli import main
 from engine.quant import trellis
 

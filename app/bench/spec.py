@@ -20,18 +20,16 @@ COPY = ("Repeat this passage exactly, but write 'sea' where it says 'waters':\n"
         "waters called he Seas: and God saw that it was good.")
 
 
-def add_spec_command(benchmarks) -> None:
-    spec = benchmarks.add_parser("spec", help="tokens per cycle and tok/s of each drafter and rule against no drafts")
-    spec.add_argument("--model", help="model folder (default: the bundled demo model)")
-    spec.add_argument("--max-tokens", type=int, default=96, help="tokens per run (default 96)")
-    spec.add_argument("--temperature", type=float, default=0.7,
-                      help="sampling temperature (default 0.7, with top-k 20 and top-p 0.95 as the seed's runs; 0 greedy)")
-    spec.add_argument("--seed", type=int, default=0)
-    spec.add_argument("--json", action="store_true", help="print one JSON object with all figures")
-    spec.set_defaults(run=run_spec_bench)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model folder (default: the bundled demo model)")
+    parser.add_argument("--max-tokens", type=int, default=96, help="tokens per run (default 96)")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="sampling temperature (default 0.7, with top-k 20 and top-p 0.95 as the seed's runs; 0 greedy)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object with all figures")
 
 
-def run_spec_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from app.settings import bundled_demo_model
 
     lm = load_model(args.model or bundled_demo_model())

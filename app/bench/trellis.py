@@ -30,13 +30,11 @@ SEED = 2026
 GRID_DELTAS = np.linspace(0.1, 1.5, 281)
 
 
-def add_trellis_command(benchmarks) -> None:
-    command = benchmarks.add_parser("trellis", help="trellis-code MSE on unit Gaussians against grids and the Shannon bound")
-    command.add_argument("--json", action="store_true", help="print one JSON object with all figures")
-    command.set_defaults(run=run_trellis_bench)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object with all figures")
 
 
-def run_trellis_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     result = trellis_result()
     print(json.dumps(result) if args.json else trellis_table(result))
     return 0

@@ -14,23 +14,21 @@ import time
 
 import numpy as np
 
-from app.bench import GEOMETRIES, positive_int
+from app.bench.common import GEOMETRIES, positive_int
 from engine.backend.cpu import DenseLinear
 from engine.heads import SHORTLIST_ROWS, RescoredHead, ShortlistHead, shortlist_ids
 
 HEADS = ("full head", "draft shortlist", "host tables (int4 + rescoring)")
 
 
-def add_heads_command(benchmarks) -> None:
-    heads = benchmarks.add_parser("heads", help="ms per row of the full head, the draft shortlist and host tables")
-    heads.add_argument("--geometry", choices=sorted(GEOMETRIES), default="qwen3.5-0.8b")
-    heads.add_argument("--repeats", type=positive_int, default=5, help="timed runs of each head, best kept (default 5)")
-    heads.add_argument("--rows", type=positive_int, default=8, help="decode rows per timed run (default 8)")
-    heads.add_argument("--json", action="store_true", help="print one JSON object with all figures")
-    heads.set_defaults(run=run_heads_bench)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="qwen3.5-0.8b")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs of each head, best kept (default 5)")
+    parser.add_argument("--rows", type=positive_int, default=8, help="decode rows per timed run (default 8)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object with all figures")
 
 
-def run_heads_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     geometry = GEOMETRIES[args.geometry]
     vocab, hidden = geometry["vocab_size"], geometry["hidden_size"]
     rng = np.random.default_rng(0)

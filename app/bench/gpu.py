@@ -17,7 +17,7 @@ the KV cache at the context, the state snapshots of the extra rows) over the cop
 The engine keeps DeltaNet's small in_proj_a/b in fp32 where the bill counts them 16-bit (0.7% of
 the bytes); the bill's bf16 rescoring rows are not read (this head is the int4 one alone).
 
-    python -m app.bench_gpu [--json] [--layers N]      duet bench gpu [--json] [--layers N]
+    duet bench gpu [--json] [--repeats N] [--layers N]
 """
 
 from __future__ import annotations
@@ -330,19 +330,13 @@ def format_cycle_table(report: dict) -> str:
 
 # ------------------------------------------------------------------------------ command ---
 
-def add_gpu_command(benchmarks) -> None:
-    command = benchmarks.add_parser("gpu", help="W4 GEMVs and the decode cycle on the GPU against copy bandwidth, both routes")
-    add_arguments(command)
-    command.set_defaults(run=run_gpu_bench)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure; the median counts")
     parser.add_argument("--layers", type=int, help="layers of the 27B geometry in the cycle model (default: what fits)")
 
 
-def run_gpu_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from engine.backend.select import backend_name
     from engine.errors import DuetError
 
@@ -352,13 +346,3 @@ def run_gpu_bench(args: argparse.Namespace) -> int:
     cycle = cycle_table(args.layers, repeats=args.repeats)
     print(json.dumps({"gemv": gemv, "cycle": cycle}) if args.json else format_table(gemv) + "\n\n" + format_cycle_table(cycle))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.bench_gpu", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run_gpu_bench(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
