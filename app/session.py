@@ -282,15 +282,15 @@ class EngineHost:
         """Tokens of prompt and reply: --context, else the model's longest."""
         return self.launch.context or self.lm.config.max_position_embeddings
 
-    def routes(self) -> tuple[str, ...]:
+    def routes(self) -> tuple[Route, ...]:
         """Routes the loaded checkpoint can run, the one it runs first."""
-        return (self.lm.route, *(route for route in self.lm.routes if route != self.lm.route))
+        return tuple(Route(route) for route in (self.lm.route, *(r for r in self.lm.routes if r != self.lm.route)))
 
-    def switch_route(self, route: str) -> bool:
+    def switch_route(self, route: Route) -> bool:
         """Run `route` from the start of the engine's next pass (no reload); False when it runs already."""
         if self.lm is None or route == (self.switches.route or self.lm.route):
             return False
-        self.switches.route = Route(route)
+        self.switches.route = route
         return True
 
     def set_accept(self, accept: Accept) -> None:

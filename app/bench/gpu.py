@@ -27,6 +27,8 @@ import json
 
 import numpy as np
 
+from engine import KVCache, Route
+
 HIDDEN, HEAD_DIM, Q_HEADS, KV_HEADS = 5120, 256, 24, 4
 DN_KEY_HEADS, DN_VALUE_HEADS, DN_DIM = 16, 48, 128
 INTERMEDIATE, VOCAB = 17408, 248320
@@ -42,7 +44,7 @@ SHAPES = {  # name: (N outputs, K inputs)
     "lm_head (int4 ranking)": (VOCAB, HIDDEN),
 }
 ROWS = (1, 4, 8, 16)
-ROUTES = ("w4a16", "w4a8")
+ROUTES = (Route.W4A16, Route.W4A8)
 ROTATION_BYTES = 512 << 20  # weight bytes cycled through per shape: several times any L2 cache
 
 
@@ -178,7 +180,7 @@ def cycle_bill(c, rows: int) -> int:
 
     tensors = {name: TensorInfo(name, "BF16", shape, 0, 2 * int(np.prod(shape))) for name, shape in tensor_shapes(c).items()}
     headers = CheckpointHeaders("random INT4, 27B geometry", "safetensors", c, tensors, (), 0)
-    bill = bill_of_bytes(weights_of(headers, w4=True), c, CONTEXT, "bf16", depth=rows - 1)
+    bill = bill_of_bytes(weights_of(headers, w4=True), c, CONTEXT, KVCache.BF16, depth=rows - 1)
     return bill.verify_pass + bill.snapshots
 
 
@@ -189,7 +191,7 @@ def random_device_model(c, route: str, seed: int = 0):
     from engine import model as m
     from engine.backend import cpu
 
-    linear = cpu.W4A16Linear if route == "w4a16" else cpu.W4A8Linear
+    linear = cpu.W4A16Linear if route == Route.W4A16 else cpu.W4A8Linear
     w, rng = random_device_weights(c, seed), np.random.default_rng(seed)
     ones = lambda n: np.ones(n, np.float32)  # noqa: E731  zero-centred norms hold 1 + w
 

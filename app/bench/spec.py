@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from engine import Finished, GenerateOptions, SamplingParams, generate, load_model
-from engine.speculative import EXACT, LOSSY
+from engine import Accept, Draft, Finished, GenerateOptions, SamplingParams, generate, load_model
 
 PROSE = "Tell me of the sea, and of the ships that go down to it."
 COPY = ("Repeat this passage exactly, but write 'sea' where it says 'waters':\n"
@@ -35,14 +34,14 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(args.model or bundled_demo_model())
     sampling = SamplingParams(temperature=args.temperature, top_k=20 if args.temperature else 0,
                               top_p=0.95 if args.temperature else 1.0, seed=args.seed)
-    drafters = ["none", "ngram"] + (["mtp"] if lm.model.mtp is not None else [])
+    drafters = [Draft.NONE, Draft.NGRAM] + ([Draft.MTP] if lm.model.mtp is not None else [])
     rows = []
     for prompt_name, text in (("prose", PROSE), ("copy", COPY)):
         ids = lm.tokenizer.encode(lm.tokenizer.render_chat([{"role": "user", "content": text}]))
-        finished_stats(lm, ids, GenerateOptions(max_tokens=8, draft="none"))  # warm caches before timing
+        finished_stats(lm, ids, GenerateOptions(max_tokens=8, draft=Draft.NONE))  # warm caches before timing
         baseline = None
         for drafter in drafters:
-            for rule in ([EXACT] if drafter == "none" else [EXACT, LOSSY]):
+            for rule in ([Accept.EXACT] if drafter == Draft.NONE else list(Accept)):
                 options = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, draft=drafter, accept=rule)
                 stats = finished_stats(lm, ids, options)
                 baseline = baseline or stats.decode_tok_s

@@ -7,7 +7,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, ProgressBar, Select, Sparkline, Static, Switch
 
 from app.session import WARN_SHARE, Readout
-from engine import Accept
+from engine import Accept, Route
 
 SPARKLINE_POINTS = 40
 NOTHING = "—"
@@ -60,7 +60,7 @@ class SwitchPanel(Vertical):
             yield Label("lossy accept", id="accept-label")
             yield Switch(id="accept", tooltip="exact: output as the model's own; lossy: keeps more drafts")
 
-    def set_routes(self, routes: tuple[str, ...], current: str) -> None:
+    def set_routes(self, routes: tuple[Route, ...], current: str) -> None:
         select = self.query_one("#route", Select)
         select.set_options([(route, route) for route in routes])
         select.value = current
