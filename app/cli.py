@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
-from enum import StrEnum
 from pathlib import Path
 
+from app.arguments import PLANNING_ONLY_KV, RENAMED_KV, RUNNABLE_KV, choice
 from app.bench import BENCHMARKS, add_bench_commands
 from app.catalog import find_local
 from app.session import EngineChoices, Launch
@@ -29,11 +28,6 @@ EXIT_INTERRUPTED = 130
 SUBCOMMANDS = ("bench", "models", "convert")
 HEADLESS_ONLY = ("raw", "json", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                  "presence_penalty", "seed")
-RUNNABLE_KV = tuple(kv for kv in KVCache if kv.runs)
-# What to say, instead of "invalid choice", to a KV cache word `duet --kv` does not take.
-RENAMED_KV = {"full": f"'full' is now called '{KVCache.BF16}'"}
-PLANNING_ONLY_KV = {str(kv): f"'{kv}' is for planning only (duet models info); duet runs "
-                             f"{' or '.join(repr(str(runs)) for runs in RUNNABLE_KV)}" for kv in KVCache if not kv.runs}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -138,23 +132,6 @@ def main_parser() -> OneLineParser:
     sampling.add_argument("--presence-penalty", type=float, default=0.0)
     sampling.add_argument("--seed", type=int, help="seed for sampling (reproducible runs)")
     return parser
-
-
-def choice(words: Iterable[StrEnum], retired: dict[str, str] | None = None) -> dict:
-    """argparse keywords for one of `words`: the help lists them, the value is the enum member, and a
-    wrong word is one line naming the choices (or, for a `retired` word, what to write instead)."""
-    allowed = tuple(words)
-
-    def one_of(text: str) -> StrEnum:
-        for word in allowed:
-            if word == text:
-                return word
-        if retired and text in retired:
-            raise argparse.ArgumentTypeError(retired[text])
-        names = ", ".join(repr(str(word)) for word in allowed)
-        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {names})")
-
-    return {"type": one_of, "choices": allowed}
 
 
 def engine_choices(args: argparse.Namespace) -> EngineChoices:

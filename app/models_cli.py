@@ -11,7 +11,7 @@ from pathlib import Path
 from app.catalog import (
     clear_stale_staging, delete_model, find_in_catalog, find_local, human_size, import_model, load_catalog, local_models,
 )
-from app.cli import RENAMED_KV, choice
+from app.arguments import RENAMED_KV, choice
 from app.downloads import DownloadProgress, download_model, remote_model
 from app.models_info import info_json, info_lines, plan_model
 from app.settings import user_paths

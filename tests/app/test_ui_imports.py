@@ -13,7 +13,7 @@ import engine
 
 ROOT = Path(__file__).resolve().parents[2]
 UI_FILES = sorted((ROOT / "app" / "ui").rglob("*.py"))
-COMMAND_LINE = ("app.cli", "app.headless", "app.models_cli", "app.bench")  # argparse and stdout writers
+COMMAND_LINE = ("app.cli", "app.arguments", "app.headless", "app.models_cli", "app.bench")  # argparse, stdout writers
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
