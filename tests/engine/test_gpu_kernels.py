@@ -1,5 +1,5 @@
 """Each GPU op (engine/backend/cupy_backend.py) against the CPU route numerics (engine/backend/cpu.py,
-engine/model.py, engine/cache.py), on two devices (the `cp` fixture): a GPU, where there is one
+cpu_ops.py, engine/cache.py), on two devices (the `cp` fixture): a GPU, where there is one
 (elsewhere those cases are skipped with the reason; the kernels are still compiled for sm_86 and
 sm_90 by test_kernels_compile.py), and the simulated device (simulated_device.py), where numpy twins
 of the kernels run under the same op wrappers: it checks the launches and the twins, not the CUDA code.
@@ -18,6 +18,7 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from simulated_device import cupy_fixture
 
 from engine.backend import cpu
 from engine.backend import cupy_backend as gb
@@ -28,6 +29,7 @@ from engine.quant.gguf_blocks import BlockMatrix
 from engine.quant.trellis import TrellisWeight, rotated_int8_activations, rotation_signs
 from engine.quant.w4 import W4Weight, pack_levels, quantize_rtn
 
+cp = cupy_fixture()
 pytestmark = pytest.mark.usefixtures("cp")  # every test runs on each device
 
 SUM_RTOL = 2e-6
@@ -109,6 +111,22 @@ def test_w4a8_matches_cpu(T, kind):
 def test_w4a8_refuses_block_types_without_a_device_decoder():
     with pytest.raises(ValueError, match="Q6_K"):
         gb.W4A8Linear(random_blocks(Q.Q6_K, 16, 256, 0))
+
+
+def test_ops_refuse_shapes_their_kernels_do_not_take():
+    with pytest.raises(ValueError, match="N % 16 == 0"):
+        gb.W4A16Linear(random_w4(40, 128, 0))
+    q, v, gates = np.zeros((1, 1, 16), np.float32), np.zeros((1, 1, 32), np.float32), np.zeros((1, 1), np.float32)
+    with pytest.raises(ValueError, match="key dims 32, 64, 128"):
+        gb.delta_rule_rows(q, q, v, gates, gates, gates[0], gates[0], gb.DeltaNetState(64, 4, 1, 16, 32))
+    with pytest.raises(ValueError, match="k <= 256"):
+        gb.top_k(np.zeros((1, 1024), np.float32), 300)
+
+
+def test_linears_report_their_weights_shape():
+    w = random_w4(32, 256, 0)
+    linears = [gb.DenseLinear(w.dequantize()), gb.W4A16Linear(w), gb.PermutedInput(gb.W4A8Linear(w), np.arange(256)[::-1])]
+    assert [linear.shape for linear in linears] == [(32, 256)] * 3
 
 
 def random_trellis(N: int, K: int, k: int, seed: int) -> TrellisWeight:

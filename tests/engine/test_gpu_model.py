@@ -1,7 +1,9 @@
-"""The GPU model (engine/backend/cupy_model.py) against the CPU engine, on a GPU machine.
-
-Elsewhere the GPU tests are skipped with the reason (the kernels are still compile-checked in
-test_kernels_compile.py); the backend choice's refusal without a GPU runs here.
+"""The GPU model (engine/backend/cupy_model.py) against the CPU engine, on two devices (the `cp`
+fixture): a GPU, where there is one (elsewhere those cases are skipped with the reason; the kernels
+are still compile-checked in test_kernels_compile.py), and the simulated device (simulated_device.py),
+where the backend's Python runs over numpy twins of the kernels on every machine: it proves the
+orchestration (buffers, capture and replay, rollback, the ring, the route switch), not the CUDA code.
+The backend choice's refusal without a GPU runs here too.
 
 The models are the shipped demo model (trained, so its next-token distributions are peaked: a
 greedy pick is not a near-tie that fp32 summation order could flip), in the geometry our kernels
@@ -21,20 +23,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from simulated_device import cupy_fixture
 
 from engine import DuetError, GenerateOptions, SamplingParams, Switches, Tokens, generate, load_model
 from engine.backend import select
-from engine.backend.select import backend_name
+from engine.backend.cupy_model import GpuModel
 from engine.tokenizer import Tokenizer
 
-GPU = backend_name("auto") == "cupy"
-needs_gpu = pytest.mark.skipif(not GPU, reason="needs an NVIDIA GPU and CuPy (pip install 'duet[gpu]'); "
-                                               "the kernels are compile-checked in test_kernels_compile.py")
-if GPU:
-    import cupy as cp
-
-    from engine.backend.cupy_model import GpuModel
-
+cp = cupy_fixture()
 MODELS = Path(__file__).resolve().parents[2] / "models"
 LOGIT_RTOL = 2e-2
 CAPTURE_RTOL = 1e-5
@@ -46,9 +42,9 @@ def models() -> dict[str, Path]:
     return {name: MODELS / name for name in ("demo", "demo_int4", "demo_gguf")}
 
 
-def load(path, route: str, backend: str, monkeypatch):
+def load(path, route: str, backend: str, monkeypatch, **options):
     monkeypatch.setenv("DUET_BACKEND", backend)
-    lm = load_model(path, route=route)
+    lm = load_model(path, route=route, **options)
     monkeypatch.delenv("DUET_BACKEND")
     assert isinstance(lm.model, GpuModel) == (backend == "cupy")
     return lm
@@ -89,7 +85,7 @@ def greedy_tokens(lm, prompt: list[int], kv: str, draft: str, max_tokens: int = 
     return tokens, stats
 
 
-@needs_gpu
+@pytest.mark.usefixtures("cp")
 @pytest.mark.parametrize("kv", ["full", "q4"])
 @pytest.mark.parametrize("fmt,route", CASES)
 def test_logits_along_a_forced_sequence_match_the_cpu_model(models, prompt, monkeypatch, fmt, route, kv):
@@ -102,19 +98,34 @@ def test_logits_along_a_forced_sequence_match_the_cpu_model(models, prompt, monk
     assert np.array_equal(got.argmax(axis=-1), want.argmax(axis=-1))
 
 
-@needs_gpu
+@pytest.fixture(scope="module")
+def cpu_reply(models, prompt):
+    """The CPU engine's greedy reply for (format, route, kv), computed once for every drafter and device:
+    exact greedy acceptance makes the reply with drafts the reply without (test_speculative.py)."""
+    replies = {}
+
+    def reply(fmt: str, route: str, kv: str) -> list[int]:
+        if (fmt, route, kv) not in replies:
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                replies[fmt, route, kv], _ = greedy_tokens(load(models[fmt], route, "cpu", monkeypatch), prompt, kv, "none")
+        return replies[fmt, route, kv]
+
+    return reply
+
+
+@pytest.mark.usefixtures("cp")
 @pytest.mark.parametrize("draft", ["none", "ngram", "mtp"])
 @pytest.mark.parametrize("kv", ["full", "q4"])
 @pytest.mark.parametrize("fmt,route", CASES)
-def test_greedy_tokens_equal_the_cpu_engines(models, prompt, monkeypatch, fmt, route, kv, draft):
+def test_greedy_tokens_equal_the_cpu_engines(models, prompt, cpu_reply, monkeypatch, fmt, route, kv, draft):
     """Every drafter, both KV caches, each route: the GPU's reply is the CPU's, token for token."""
-    want, _ = greedy_tokens(load(models[fmt], route, "cpu", monkeypatch), prompt, kv, draft)
+    want = cpu_reply(fmt, route, kv)
     got, stats = greedy_tokens(load(models[fmt], route, "cupy", monkeypatch), prompt, kv, draft)
     assert got == want
     assert draft == "none" or stats["drafted"] > 0
 
 
-@needs_gpu
+@pytest.mark.usefixtures("cp")
 @pytest.mark.parametrize("kv", ["full", "q4"])
 def test_switching_route_and_rule_mid_reply_on_the_gpu(models, prompt, monkeypatch, kv):
     """w4a16/exact for the first tokens, then w4a8/lossy, MTP drafts throughout: the reply equals
@@ -129,10 +140,9 @@ def test_switching_route_and_rule_mid_reply_on_the_gpu(models, prompt, monkeypat
     assert lm.model is model and model.version == 1 and model.graph_error is None
 
 
-@needs_gpu
 @pytest.mark.parametrize("kv", ["full", "q4"])
 @pytest.mark.parametrize("route", ["w4a16", "w4a8"])
-def test_captured_cycle_equals_the_uncaptured_one(models, prompt, monkeypatch, route, kv):
+def test_captured_cycle_equals_the_uncaptured_one(cp, models, prompt, monkeypatch, route, kv):
     """Verify passes of 1 and 4 rows with rollbacks, run uncaptured on one state and as graph replays
     on another: the same logits, the same ids in the output ring, the same state after keep()."""
     model = load(models["demo_int4"], route, "cupy", monkeypatch).model

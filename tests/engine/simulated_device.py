@@ -1,0 +1,914 @@
+"""A simulated CUDA device: the GPU backend's Python (engine/backend/cupy_backend.py, cupy_model.py)
+run on numpy, so CI exercises its orchestration on every run, GPU or not.
+
+The backend reaches the GPU through two names, the `cupy` module and engine.kernels.build.kernel.
+`installed(monkeypatch)` rebinds both, in every engine module that holds them, to one SimulatedDevice:
+`SimulatedCupy` is the part of CuPy's API the backend uses, over numpy arrays standing for device
+memory, and `SimulatedDevice.kernel` hands out a numpy twin of each CUDA kernel, written from the
+kernel's argument contract in engine/kernels/*.cu with the CPU route's numerics where the kernel
+reproduces them (engine/backend/cpu.py, cpu_ops.py, engine/cache.py, engine/quant/).
+
+What it checks, as a real device would (or would silently get wrong):
+- every launch against the kernel's signature parsed from the very source the GPU compiles: the
+  argument count, device arrays of the declared element type for pointers, and for scalars the
+  exact numpy type of the C type (CuPy passes a Python int as 8 bytes, a float as a double);
+- a pointer is the memory from the array's first element to the end of its allocation: offsets,
+  strided views and reinterpreting views mean what they mean on the card, and a read or write past
+  the allocation raises;
+- a twin computes only what the launched grid covers, and memory from `empty` is poisoned (NaN, or
+  the largest integer), so a grid too small, a partial slot no kernel wrote, or a read of an unset
+  buffer shows in the results;
+- graph capture records instead of running: kernels, CuPy operations and writes issued on the
+  capturing stream go on a tape that `graph.launch` replays on the same buffers, so a capture
+  advances no cache or state and a replay reads what the input buffers hold at launch;
+- inside a capture, what the driver refuses or what would be unsafe raises and invalidates the
+  capture (end_capture then raises too): host transfers (`asarray` of host data, `set`, `get`,
+  `asnumpy`), allocations outside a graph's own memory pool (a later allocation could reuse them),
+  a kernel function loaded for the first time and cuBLAS's first product (the backend runs every
+  row count uncaptured before capturing it).
+
+What it does not model: the CUDA code itself (fragment layouts, shared memory, warp shuffles, races;
+the GPU tests check every kernel on a real device), the kernels' fp32 summation orders (twins sum as
+numpy does), asynchrony (every operation runs in issue order, so a missing synchronisation cannot
+show), reuse of freed memory (no allocation is ever handed out twice) and speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import re
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from threadpoolctl import threadpool_limits
+
+from engine.backend import cpu, cpu_ops, select
+from engine.backend.select import backend_name
+from engine.cache import dequantize_q4, hadamard, quantize_q4
+from engine.checkpoint.safetensors import bf16_to_f32
+from engine.kernels import build
+from engine.quant.activation import f32_to_bf16_bits, quantize_int8_blocks
+from engine.quant.gguf_blocks import BlockMatrix
+from engine.quant.trellis import MULTIPLIERS, TrellisWeight, _hadamard_blocks
+from engine.quant.w4 import W4Weight
+
+SM_COUNT = 82  # an RTX 3090's multiprocessors: the W4A16 split count depends on it
+
+
+class CaptureError(RuntimeError):
+    """What the CUDA driver refuses during a stream capture (cudaErrorStreamCaptureUnsupported)."""
+
+
+# --------------------------------------------------------------------------- the sources ---
+
+C_TYPES = {"float": np.float32, "int": np.int32, "long long": np.int64, "u64": np.uint64,
+           "unsigned long long": np.uint64, "u32": np.uint32, "u16": np.uint16, "u8": np.uint8,
+           "signed char": np.int8}
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    ctype: str
+    pointer: bool
+
+    @property
+    def dtype(self) -> type:
+        return C_TYPES[self.ctype]
+
+
+@dataclass(frozen=True)
+class Source:
+    """One .cu file as compiled: each extern "C" kernel's parameters and the numeric #defines."""
+
+    kernels: dict[str, tuple[Param, ...]]
+    constants: dict[str, int]
+
+
+_MACRO = re.compile(r"^#define (\w+)\(([^)]*)\)((?:.*\\\n)*.*)$", re.M)
+_CONSTANT = re.compile(r"^#define (\w+) (\d+)\b", re.M)
+_ENTRY = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(([^)]*)\)')
+
+
+def expand_macros(text: str) -> str:
+    """Expand the function-like macros that stamp out kernels (INT8_GEMV(w4, W4Codec) and the like)."""
+    macros, text = _MACRO.findall(text), _MACRO.sub("", text)
+    for name, params, body in macros:
+        names = [p.strip() for p in params.split(",")]
+        body = body.replace("\\\n", "\n")
+
+        def expand(call, names=names, body=body):
+            for param, value in zip(names, (v.strip() for v in call.group(1).split(","))):
+                body = re.sub(rf"##{param}\b|\b{param}\b", value, body)
+            return body
+
+        text = re.sub(rf"^{name}\(([^)]*)\)\s*$", expand, text, flags=re.M)
+    return text
+
+
+def parse_param(text: str) -> Param:
+    words = [w for w in text.replace("*", " * ").split() if w not in ("const", "__restrict__")]
+    return Param(words[-1], " ".join(w for w in words[:-1] if w != "*"), "*" in words)
+
+
+def parse_source(text: str) -> Source:
+    kernels = {name: tuple(parse_param(p) for p in params.split(","))
+               for name, params in _ENTRY.findall(expand_macros(text))}
+    return Source(kernels, {name: int(value) for name, value in _CONSTANT.findall(text)})
+
+
+SOURCES = {name: parse_source(build.source_text(name)) for name in build.SOURCES}
+
+
+def constant(source: str, name: str) -> int:
+    return SOURCES[source].constants[name]
+
+
+# ------------------------------------------------------------------------------ memory ---
+
+def poison(a: np.ndarray) -> None:
+    """What uninitialised device memory holds here: NaN, or the largest integer (an index out of range)."""
+    a.fill(np.nan if a.dtype.kind == "f" else np.iinfo(a.dtype).max)
+
+
+class DeviceArray:
+    """A cupy.ndarray stand-in: `a` is a numpy view into `root`, the allocation it lives in. numpy
+    functions refuse it, as they refuse a CuPy array; ufuncs and operators run as device operations."""
+
+    def __init__(self, device: SimulatedDevice, a: np.ndarray, root: np.ndarray):
+        self.device, self.a, self.root = device, a, root
+
+    shape = property(lambda self: self.a.shape)
+    dtype = property(lambda self: self.a.dtype)
+    ndim = property(lambda self: self.a.ndim)
+    size = property(lambda self: self.a.size)
+    nbytes = property(lambda self: self.a.nbytes)
+    T = property(lambda self: self._view(self.a.T))
+
+    def _view(self, a: np.ndarray) -> DeviceArray:
+        return DeviceArray(self.device, a, self.root)
+
+    def pointer(self) -> np.ndarray:
+        """What a kernel gets: the memory from this array's first element to the end of its allocation."""
+        offset = self.a.__array_interface__["data"][0] - self.root.__array_interface__["data"][0]
+        memory = self.root.reshape(-1).view(np.uint8)
+        n = (memory.size - offset) // self.a.itemsize
+        return memory[offset:offset + n * self.a.itemsize].view(self.a.dtype)
+
+    def reshape(self, *shape) -> DeviceArray:
+        r = self.a.reshape(*shape)
+        return self._view(r) if np.may_share_memory(r, self.a) else self.device.produce(lambda: self.a.reshape(*shape))
+
+    def view(self, dtype) -> DeviceArray:
+        return self._view(self.a.view(dtype))
+
+    def astype(self, dtype) -> DeviceArray:
+        return self.device.produce(lambda: self.a.astype(dtype))
+
+    def copy(self) -> DeviceArray:
+        return self.device.produce(self.a.copy)
+
+    def set(self, host: np.ndarray) -> None:
+        """A host-to-device copy, with cupy.ndarray.set's checks."""
+        self.device.refuse("a host-to-device copy (ndarray.set)")
+        if host.dtype != self.dtype:
+            raise TypeError(f"{host.dtype} array cannot be set to {self.dtype} array")
+        if host.shape != self.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {host.shape}")
+        if not self.a.flags.c_contiguous:
+            raise RuntimeError("Cannot set to non-contiguous array")
+        self.a[...] = host
+
+    def get(self) -> np.ndarray:
+        self.device.refuse("a device-to-host copy")
+        return self.a.copy()
+
+    def __getitem__(self, key) -> DeviceArray:
+        key = self.device.index(key)
+        if any(isinstance(k, np.ndarray) for k in (key if isinstance(key, tuple) else (key,))):
+            return self.device.produce(lambda: self.a[key])  # a gather: reads the index array at run time
+        return self._view(self.a[key])
+
+    def __setitem__(self, key, value) -> None:
+        key, value = self.device.index(key), self.device.operand(value)
+        self.device.issue(lambda: self.a.__setitem__(key, value))
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        device = self.device
+        args = [device.operand(x) for x in inputs]
+        if ufunc is np.matmul:
+            device.use_blas()
+        run = getattr(ufunc, method)
+        if out is None:
+            return device.produce(lambda: run(*args, **kwargs))
+        targets = tuple(device.operand(o) for o in out)
+        device.issue(lambda: run(*args, out=targets, **kwargs))
+        return out[0] if len(out) == 1 else out
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a "
+                        "NumPy array explicitly.")
+
+    def __array_function__(self, func, types, args, kwargs):
+        raise TypeError(f"numpy.{func.__name__} on a device array: the simulated device runs only cupy's functions")
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype})"
+
+
+# The operators the backend applies to device arrays are their ufuncs, which run as device operations.
+for _name, _ufunc in {"add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.true_divide,
+                      "matmul": np.matmul, "lshift": np.left_shift}.items():
+    setattr(DeviceArray, f"__{_name}__", lambda self, other, ufunc=_ufunc: ufunc(self, other))
+    setattr(DeviceArray, f"__r{_name}__", lambda self, other, ufunc=_ufunc: ufunc(other, self))
+DeviceArray.__neg__ = lambda self: np.negative(self)
+DeviceArray.__iadd__ = lambda self, other: np.add(self, other, out=(self,))
+del _name, _ufunc
+
+
+# ------------------------------------------------------------------------------ device ---
+
+class Stream:
+    def __init__(self, device: SimulatedDevice):
+        self.device = device
+
+    def __enter__(self) -> Stream:
+        self.device.streams.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.device.streams.pop()
+
+    def begin_capture(self) -> None:
+        self.device.begin_capture(self)
+
+    def end_capture(self) -> Graph:
+        return self.device.end_capture(self)
+
+
+class Graph:
+    """A captured tape: launch() runs its operations in order, on the buffers they were captured with
+    (at once: the simulated device runs everything in issue order, whatever the stream)."""
+
+    def __init__(self, tape: list):
+        self.tape = tape
+
+    def launch(self, stream: Stream) -> None:
+        for operation in self.tape:
+            operation()
+
+
+class MemoryPool:
+    """cupy.cuda.MemoryPool: a graph's own pool. The simulated device allocates with numpy and never
+    hands memory out twice, so the pool only marks that an allocation is a graph's."""
+
+    def malloc(self, nbytes: int):
+        raise NotImplementedError("the simulated device does not call allocators")
+
+
+class SimulatedDevice:
+    """Stream order, capture state and the kernels loaded: the state behind SimulatedCupy."""
+
+    def __init__(self):
+        self.streams = [Stream(self)]  # the current stream last
+        self.capturing: Stream | None = None
+        self.tape: list = []
+        self.capture_invalid = False
+        self.allocators: list = []  # allocators in use (cupy.cuda.using_allocator)
+        self.kernels: dict[str, SimulatedKernel] = {}  # the kernel functions loaded
+        self.blas_ready = False
+        self.refused_kernel: str | None = None  # a kernel whose capture the driver refuses (tests of the fallback)
+
+    @property
+    def recording(self) -> bool:
+        """Operations issued now go on a capture's tape."""
+        return self.capturing is not None and self.streams[-1] is self.capturing
+
+    def issue(self, operation) -> None:
+        if self.recording:
+            self.tape.append(operation)
+        else:
+            operation()
+
+    def refuse(self, what: str) -> None:
+        """Raise, invalidating the capture, if `what` happens while recording."""
+        if self.recording:
+            self.capture_invalid = True
+            raise CaptureError(f"{what} inside a stream capture")
+
+    def begin_capture(self, stream: Stream) -> None:
+        if self.capturing is not None:
+            raise CaptureError("a capture is already in progress")
+        self.capturing, self.tape, self.capture_invalid = stream, [], False
+
+    def end_capture(self, stream: Stream) -> Graph:
+        if self.capturing is not stream:
+            raise CaptureError("end_capture on a stream that is not capturing")
+        self.capturing = None
+        if self.capture_invalid:
+            raise CaptureError("the capture was invalidated by an earlier error")
+        return Graph(self.tape)
+
+    def use_blas(self) -> None:
+        if not self.blas_ready:
+            self.refuse("cuBLAS's first product (it makes its handle and workspace then)")
+            self.blas_ready = True
+
+    def allocate(self, shape, dtype) -> DeviceArray:
+        if self.recording and not self.allocators:
+            self.refuse("an allocation from the default memory pool (a later allocation could reuse it)")
+        a = np.empty(shape, dtype)
+        poison(a)
+        return DeviceArray(self, a, a)
+
+    def produce(self, compute) -> DeviceArray:
+        """A new array from one device operation. While recording, the operation runs at replay;
+        computing it now only gives the shape and type (the inputs hold whatever they hold: a gather
+        by indices a captured kernel writes would fail here, and the backend has none)."""
+        with np.errstate(all="ignore"):
+            value = compute()
+        if not self.recording:
+            value = np.ascontiguousarray(value)
+            return DeviceArray(self, value, value)
+        out = self.allocate(value.shape, value.dtype)
+        self.tape.append(lambda: np.copyto(out.a, compute()))
+        return out
+
+    def operand(self, x):
+        """A device array's memory, or a scalar; host arrays are refused as CuPy refuses them."""
+        if isinstance(x, DeviceArray):
+            return x.a
+        if isinstance(x, (np.ndarray, list)):
+            raise TypeError(f"Unsupported type {type(x)}: a host array where a device array is needed")
+        return x
+
+    def index(self, key):
+        return tuple(self.operand(k) for k in key) if isinstance(key, tuple) else self.operand(key)
+
+    def kernel(self, name: str, function: str) -> SimulatedKernel:
+        """engine.kernels.build.kernel on this device."""
+        assert function in build.KERNELS[name], f"{function} is not listed in build.KERNELS[{name!r}]"
+        if function not in self.kernels:
+            self.refuse(f"loading kernel {function}")
+            self.kernels[function] = SimulatedKernel(self, function, SOURCES[name].kernels[function], TWINS[function])
+        return self.kernels[function]
+
+
+class SimulatedKernel:
+    """A compiled kernel function: (grid, block, args) checked against the source's signature, then
+    the twin runs in stream order (or goes on the capture's tape)."""
+
+    def __init__(self, device: SimulatedDevice, name: str, params: tuple[Param, ...], twin):
+        self.device, self.name, self.params, self.twin = device, name, params, twin
+
+    def __call__(self, grid: tuple, block: tuple, args: tuple) -> None:
+        grid, block = (tuple(max(1, int(d)) for d in (tuple(dims) + (1, 1))[:3]) for dims in (grid, block))
+        bound = self.bind(args)
+        if self.name == self.device.refused_kernel:
+            self.device.refuse(f"{self.name} (refused by the simulated driver)")
+        self.device.issue(lambda: self.twin(grid, block, bound))
+
+    def bind(self, args: tuple) -> SimpleNamespace:
+        if len(args) != len(self.params):
+            raise TypeError(f"{self.name} takes {len(self.params)} arguments, got {len(args)}")
+        bound = {}
+        for param, arg in zip(self.params, args):
+            if not param.pointer:
+                if type(arg) is not param.dtype:
+                    raise TypeError(f"{self.name}: {param.name} is a C {param.ctype}; pass numpy.{param.dtype.__name__}, "
+                                    f"not {type(arg).__name__}")
+                bound[param.name] = arg
+            elif arg is None:  # CuPy passes None as a null pointer
+                bound[param.name] = None
+            elif not isinstance(arg, DeviceArray) or arg.dtype != param.dtype:
+                got = f"a {arg.dtype} device array" if isinstance(arg, DeviceArray) else type(arg).__name__
+                raise TypeError(f"{self.name}: {param.name} is a {param.ctype}*, got {got}")
+            else:
+                bound[param.name] = arg.pointer()
+        return SimpleNamespace(**bound)
+
+
+class SimulatedCuda:
+    """cupy.cuda: streams, graph memory pools, the device's attributes."""
+
+    MemoryPool = MemoryPool
+
+    def __init__(self, device: SimulatedDevice):
+        self.device = device
+
+    def Stream(self, non_blocking: bool = False) -> Stream:  # noqa: N802 (CuPy's name)
+        return Stream(self.device)
+
+    def get_current_stream(self) -> Stream:
+        return self.device.streams[-1]
+
+    @contextlib.contextmanager
+    def using_allocator(self, allocator):
+        self.device.allocators.append(allocator)
+        try:
+            yield
+        finally:
+            self.device.allocators.pop()
+
+    def Device(self) -> SimpleNamespace:  # noqa: N802 (CuPy's name)
+        return SimpleNamespace(id=0, attributes={"MultiProcessorCount": SM_COUNT})
+
+
+class SimulatedCupy:
+    """The part of the cupy module the GPU backend and its tests use."""
+
+    ndarray = DeviceArray
+    float32, int8, uint8, uint16, int32, uint32, uint64 = np.float32, np.int8, np.uint8, np.uint16, np.int32, np.uint32, np.uint64
+
+    def __init__(self, device: SimulatedDevice):
+        self.device = device
+        self.cuda = SimulatedCuda(device)
+
+    def asarray(self, a, dtype=None) -> DeviceArray:
+        if isinstance(a, DeviceArray):
+            return a if dtype is None or np.dtype(dtype) == a.dtype else a.astype(dtype)
+        self.device.refuse("a host-to-device copy (cupy.asarray)")
+        host = np.asarray(a, dtype=dtype)
+        out = self.device.allocate(host.shape, host.dtype)
+        out.a[...] = host
+        return out
+
+    def asnumpy(self, a) -> np.ndarray:
+        """A device array's contents; a host array as it is (as CuPy takes one)."""
+        return a.get() if isinstance(a, DeviceArray) else np.asarray(a)
+
+    def ascontiguousarray(self, a, dtype=None) -> DeviceArray:
+        a = self.asarray(a, dtype)
+        return a if a.a.flags.c_contiguous else a.copy()
+
+    def empty(self, shape, dtype=np.float64) -> DeviceArray:
+        return self.device.allocate(shape, dtype)
+
+    def empty_like(self, a: DeviceArray) -> DeviceArray:
+        return self.device.allocate(a.shape, a.dtype)
+
+    def zeros(self, shape, dtype=np.float64) -> DeviceArray:
+        return self.device.produce(lambda: np.zeros(shape, dtype))
+
+    def zeros_like(self, a: DeviceArray) -> DeviceArray:
+        return self.zeros(a.shape, a.dtype)
+
+    def ones(self, shape, dtype=np.float64) -> DeviceArray:
+        return self.device.produce(lambda: np.ones(shape, dtype))
+
+    def full(self, shape, fill_value, dtype=None) -> DeviceArray:
+        return self.device.produce(lambda: np.full(shape, fill_value, dtype))
+
+    def concatenate(self, arrays, axis: int = 0) -> DeviceArray:
+        parts = [self.device.operand(a) for a in arrays]
+        if not all(isinstance(a, DeviceArray) for a in arrays):
+            raise TypeError("cupy.concatenate takes device arrays")
+        return self.device.produce(lambda: np.concatenate(parts, axis=axis))
+
+    def exp(self, x: DeviceArray) -> DeviceArray:
+        if not isinstance(x, DeviceArray):
+            raise TypeError(f"Unsupported type {type(x)}")
+        return np.exp(x)
+
+
+@contextlib.contextmanager
+def installed(monkeypatch):
+    """A fresh simulated device under the GPU backend while the context lasts (monkeypatch undoes the
+    rest at the test's end): `cupy` and build.kernel rebound in every engine module holding them, and
+    the driver reporting one device. Yields the cupy stand-in, for tests that move data themselves.
+
+    numpy's BLAS runs on one thread meanwhile: the twins' products are small, and OpenBLAS's idle
+    workers spin on the cores a test run needs (a demo reply took 3.7 s with two threads on two busy
+    cores, 0.8 s with one)."""
+    import cupy
+
+    import engine.backend.cupy_model  # noqa: F401  the loader's way into the GPU backend: imports the rest
+
+    device = SimulatedDevice()
+    simulated = SimulatedCupy(device)
+    real_kernel = build.kernel
+    for name, module in list(sys.modules.items()):
+        if name == "engine" or name.startswith("engine."):
+            for attr, value in list(vars(module).items()):
+                if value is cupy:
+                    monkeypatch.setattr(module, attr, simulated)
+                elif value is real_kernel:
+                    monkeypatch.setattr(module, attr, device.kernel)
+    monkeypatch.setattr(select, "cuda_device_count", lambda: 1)
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield simulated
+
+
+NO_GPU = ("needs an NVIDIA GPU and CuPy (pip install 'duet[gpu]'); here the kernels are compile-checked in "
+          "test_kernels_compile.py and the backend's Python runs on the simulated device")
+
+
+def cupy_fixture():
+    """A GPU test module's `cp` fixture (`cp = cupy_fixture()`): the cupy module the GPU backend runs
+    on, CuPy on a real device (skipped without one) and then the simulated device, which runs
+    everywhere and proves the Python around the kernels, not the kernels."""
+
+    @pytest.fixture(params=["cuda", "simulated"])
+    def cp(request, monkeypatch):
+        if request.param == "simulated":
+            with installed(monkeypatch) as simulated:
+                yield simulated
+            return
+        if backend_name("auto") != "cupy":
+            pytest.skip(NO_GPU)
+        import cupy
+
+        yield cupy
+
+    return cp
+
+
+# ------------------------------------------------------------------------------- twins ---
+# One per kernel of build.KERNELS: twin(grid, block, a), a holding the launch's arguments by the
+# .cu parameter names (pointers as flat memory, see DeviceArray.pointer). Twins read and write
+# what the kernel does, for the part of the work the grid covers.
+
+def take(pointer: np.ndarray, *shape: int) -> np.ndarray:
+    """The first prod(shape) elements at a pointer, as an array of that shape (a view)."""
+    n = math.prod(shape)
+    if pointer.size < n:
+        raise IndexError(f"a kernel reads {n} elements where its allocation holds {pointer.size}")
+    return pointer[:n].reshape(shape)
+
+
+@functools.cache
+def rotation(n: int) -> np.ndarray:
+    """H / sqrt(n), H Sylvester's Hadamard matrix (engine.cache.Q4KVCache's rotation): symmetric, orthonormal."""
+    matrix = hadamard(n) / np.sqrt(n)
+    matrix.flags.writeable = False
+    return matrix
+
+
+def threads(grid: tuple, block: tuple) -> int:
+    return grid[0] * block[0]
+
+
+def w4a16_gemm(tiles: int):
+    """w4a16_gemm_t8 (one n8 tile) / t16: partial outputs [splits, T, N], split y summing the groups
+    its warps take (warp w: groups 8y + w, then every 8 * splits)."""
+    warps = constant("w4a16", "W4_WARPS")
+
+    def run(grid, block, a):
+        N, K, T = int(a.N), int(a.K), int(a.T)
+        rows, splits, tokens, G = min(N, 16 * grid[0]), grid[1], min(T, 8 * tiles), K // 128
+        packed, scales = take(a.packed, N, K // 8)[:rows], take(a.scales, N, G)[:rows]
+        x = bf16_to_f32(take(a.x, T, K)[:tokens])
+        out = take(a.out, splits, T, N)
+        split_of_group = (np.arange(G) // warps) % splits
+        for s in range(splits):
+            groups = np.flatnonzero(split_of_group == s)
+            words, inputs = (np.ravel(n * groups[:, None] + np.arange(n)) for n in (16, 128))
+            weight = W4Weight(np.ascontiguousarray(packed[:, words]), np.ascontiguousarray(scales[:, groups]))
+            out[s, :tokens, :rows] = cpu.W4A16Linear(weight)(x[:, inputs]) if len(groups) else 0.0
+
+    return run
+
+
+def reduce_splits(grid, block, a):
+    n, size = min(int(a.n), threads(grid, block)), int(a.n)
+    total = np.zeros(n, np.float32)
+    for part in take(a.partial, int(a.splits), size)[:, :n]:  # in split order, as the kernel adds
+        total += part
+    a.out[:n] = total
+
+
+def f32_to_bf16_bits_twin(grid, block, a):
+    n = min(int(a.n), threads(grid, block))
+    a.out[:n] = f32_to_bf16_bits(a.x[:n])
+
+
+def quantize_int8_blocks_twin(grid, block, a):
+    blocks = min(int(a.n_blocks), threads(grid, block) // 32)  # a warp per block
+    q, scale = quantize_int8_blocks(take(a.x, blocks, 32))
+    a.q[:blocks * 32] = q.ravel()
+    a.scale[:blocks] = scale.ravel()
+
+
+def rotate_quantize_int8(grid, block, a):
+    blocks, K = min(int(a.n_blocks), threads(grid, block) // 32), int(a.K)
+    x = take(a.x, blocks * 128)
+    rotated = _hadamard_blocks(x * a.signs[np.arange(x.size) % K]).reshape(blocks, 128)  # the signs run along K
+    scale = np.abs(rotated).max(axis=-1) / np.float32(127)
+    a.q[:blocks * 128] = np.rint(rotated / np.where(scale > 0, scale, np.float32(1))[:, None]).ravel()
+    a.scale[:blocks] = scale
+
+
+INT8_CODECS = {"w4": None, "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
+               "iq4_xs": GGMLQuantizationType.IQ4_XS}
+
+
+def int8_gemv(codec: str):
+    """int8_gemv_<codec>: a warp per weight row; the CPU W4A8 route's block dots on the given codes."""
+
+    def run(grid, block, a):
+        N, K, T = int(a.N), int(a.K), int(a.T)
+        rows = min(N, threads(grid, block) // 32)
+        raw = take(a.weights, N, int(a.row_bytes))[:rows]
+        if codec == "w4":
+            weight = W4Weight(raw.view(np.uint32), take(a.scales, N, K // 128)[:rows])
+        else:
+            weight = BlockMatrix(INT8_CODECS[codec], raw, K)
+        q = take(a.q, T, K // 32, 32).astype(np.float32)
+        y = cpu.W4A8Linear(weight)._rows(*weight.decode_rows(0, rows), q, take(a.ascale, T, K // 32))
+        take(a.out, T, N)[:, :rows] = y
+
+    return run
+
+
+def trellis_gemv(grid, block, a):
+    N, K, T, k = int(a.N), int(a.K), int(a.T), int(a.k)
+    if a.multiplier != MULTIPLIERS[k]:
+        raise ValueError(f"trellis_gemv: multiplier {a.multiplier:#x} is not rate {k}'s")
+    rows = min(N, 16 * grid[0])
+    packed = take(a.packed, N // 16 * K // 8, 16 * k)
+    weight = TrellisWeight(packed, take(a.row_scale, N), (N, K), k, seed=0)  # the seed rotates inputs only
+    q = take(a.q, T, K // 128, 128).astype(np.float32)
+    take(a.out, T, N)[:, :rows] = cpu._trellis_rows(*weight.decode_rows(0, rows), q, take(a.ascale, T, K // 128))
+
+
+def causal_conv_silu(grid, block, a):
+    T, C, KW = int(a.T), int(a.C), int(a.KW)
+    c = min(C, threads(grid, block))  # a thread per channel
+    history = take(a.conv_state, KW - 1, C)
+    state = SimpleNamespace(conv=history.copy())
+    out = cpu_ops.causal_conv(take(a.mixed, T, C), take(a.taps, C, KW), state)
+    take(a.window, KW - 1 + T, C)[:, :c] = state.window[:, :c]
+    take(a.out, T, C)[:, :c] = out[:, :c]
+    history[:, :c] = state.conv[:, :c]
+
+
+def deltanet_rows(DK: int):
+    """deltanet_rows_dk<DK>: block (head h, 32 value columns); S, the snapshot after every row and the
+    output, by engine.model.delta_rule_rows."""
+
+    def run(grid, block, a):
+        if block[0] != 128:
+            raise ValueError("deltanet_rows: four threads per value column, 32 columns: blocks of 128")
+        T, Hk, Hv, DV = int(a.T), int(a.Hk), int(a.Hv), int(a.DV)
+        heads, cols = min(Hv, grid[0]), min(DV, 32 * grid[1])
+        q, k = (np.repeat(take(p, T, Hk, DK), Hv // Hk, axis=1) for p in (a.q, a.k))  # value head h reads key head h // (Hv / Hk)
+        beta = cpu_ops.sigmoid(take(a.b, T, Hv))
+        log_decay = take(a.decay_rate, Hv) * cpu_ops.softplus(take(a.a, T, Hv) + take(a.dt_bias, Hv))
+        S = take(a.state, Hv, DK, DV)
+        state = SimpleNamespace(recurrent=S.copy())
+        out = cpu_ops.delta_rule_rows(q, k, take(a.v, T, Hv, DV), beta, log_decay, state)
+        take(a.out, T, Hv, DV)[:, :heads, :cols] = out[:, :heads, :cols]
+        take(a.snapshots, T, Hv, DK, DV)[:, :heads, :, :cols] = np.stack(state.row_states)[:, :heads, :, :cols]
+        S[:heads, :, :cols] = state.recurrent[:heads, :, :cols]
+
+    return run
+
+
+def rms_norm(grid, block, a):
+    R, D = grid[0], int(a.D)  # a block per row
+    take(a.y, R, D)[...] = cpu_ops.rms_norm(take(a.x, R, D), take(a.w, D), a.eps)
+
+
+def gated_rms_norm(grid, block, a):
+    R, D = grid[0], int(a.D)
+    take(a.y, R, D)[...] = cpu_ops.rms_norm(take(a.x, R, D), take(a.w, D), a.eps) * cpu_ops.silu(take(a.z, R, D))
+
+
+def l2_norm_heads(grid, block, a):
+    R, heads, D = grid[0], int(a.heads), int(a.D)
+    if block[0] < D or block[0] % 32:
+        raise ValueError("l2_norm_heads: a thread per element, whole warps")
+    r = np.arange(R)
+    first = (r // heads) * int(a.row_stride) + (r % heads) * D  # heads may sit inside wider rows
+    take(a.y, R, D)[...] = cpu_ops.l2_normalize(a.x[first[:, None] + np.arange(D)]) * a.scale
+
+
+def qk_norm_rope(grid, block, a):
+    heads, T, D = grid[0], grid[1], int(a.D)
+    if block[0] != D:
+        raise ValueError("qk_norm_rope: a thread per element of the head")
+    t, h = np.arange(T)[:, None], np.arange(heads)[None, :]
+    x = a.x[(t * int(a.row_stride) + h * int(a.head_stride))[..., None] + np.arange(D)]  # [T, heads, D]
+    normed = cpu_ops.rms_norm(x, take(a.w, D), a.eps)
+    rotary = int(a.rotary_dim)
+    angles = (a.start[0] + np.arange(T))[:, None].astype(np.float32) * take(a.inv_freq, rotary // 2)[None, :]
+    take(a.y, T, heads, D)[...] = cpu_ops.apply_rope(normed, np.cos(angles), np.sin(angles))
+
+
+def silu_mul(grid, block, a):
+    inner, size = int(a.I), int(a.n)
+    n = min(size, threads(grid, block))
+    gate_up = take(a.gate_up, size // inner, 2 * inner)
+    a.out[:n] = (cpu_ops.silu(gate_up[:, :inner]) * gate_up[:, inner:]).ravel()[:n]
+
+
+def attention_gate(grid, block, a):
+    D, size = int(a.D), int(a.n)
+    n = min(size, threads(grid, block))
+    gate = take(a.q_and_gate, size // D, 2 * D)[:, D:]  # the second half of each head's [query | gate]
+    a.out[:n] = (take(a.attn, size // D, D) * cpu_ops.sigmoid(gate)).ravel()[:n]
+
+
+# attention: a source of rows for a query row ending at `end` is (lo, hi, rows(i) -> keys, values [kv, n, HD])
+
+def bf16_rows(a, kv: int, HD: int):
+    keys, values = (take(p, kv, int(a.capacity), HD) for p in (a.keys, a.values))
+    return lambda end: (0, end, lambda i: (bf16_to_f32(keys[:, i]), bf16_to_f32(values[:, i])))
+
+
+def q4_rows(a, kv: int, HD: int):
+    """The quantized middle, in the rotated basis."""
+    sink, recent, capacity = constant("attention", "Q4_SINK"), constant("attention", "Q4_RECENT"), int(a.capacity)
+    codes = [take(p, kv, capacity, HD // 2) for p in (a.key_codes, a.value_codes)]
+    scales = [take(p, kv, capacity, HD // 32).view(np.float16) for p in (a.key_scales, a.value_scales)]
+
+    def rows(i):
+        return tuple(dequantize_q4(c[:, i], s[:, i]) for c, s in zip(codes, scales))
+
+    return lambda end: (sink, max(sink, end - recent), rows)
+
+
+def exact_rows(a, kv: int, HD: int):
+    """The sink rows, then the ring rows of the recent window."""
+    sink_rows, recent, ring_rows = constant("attention", "Q4_SINK"), constant("attention", "Q4_RECENT"), int(a.ring_rows)
+    sinks = [take(p, kv, sink_rows, HD) for p in (a.sink_keys, a.sink_values)]
+    rings = [take(p, kv, ring_rows, HD) for p in (a.ring_keys, a.ring_values)]
+
+    def source(end: int):
+        in_sink, window = min(end, sink_rows), max(sink_rows, end - recent)
+
+        def rows(i):  # i ascending: sink rows first
+            positions = window + i[i >= in_sink] - in_sink
+            return tuple(np.concatenate([s[:, i[i < in_sink]], r[:, positions % ring_rows]], axis=1)
+                         for s, r in zip(sinks, rings))
+
+        return 0, in_sink + max(0, end - window), rows
+
+    return source
+
+
+def attention_partial(kind: str, HD: int):
+    """attention_partial_<kind>_hd<HD>: block (chunk c, head h, row t) writes slot chunk_offset + c:
+    (max score, sum of e^(s - max)) and the sum of e^(s - max) v over its rows; an empty chunk (-inf, 0, 0)."""
+    sources = {"bf16": bf16_rows, "q4": q4_rows, "exact": exact_rows}
+
+    def run(grid, block, a):
+        chunks, heads, T = grid
+        all_heads, kv, chunk, n_slots = int(a.heads), int(a.kv), int(a.chunk), int(a.n_slots)
+        offset = int(a.chunk_offset) if kind == "q4" else 0
+        q = take(a.q, T, all_heads, HD)[:, :heads]
+        if kind == "q4":  # q . k = (H diag(s) q / sqrt(HD)) . r for a row stored rotated
+            q = (q * take(a.signs, HD)) @ rotation(HD)
+        kv_of_head = np.arange(heads) // (all_heads // kv)
+        part_ml, part_acc = take(a.part_ml, T, all_heads, n_slots, 2), take(a.part_acc, T, all_heads, n_slots, HD)
+        source = sources[kind](a, kv, HD)
+        for t in range(T):
+            lo, hi, rows = source(int(a.start[0]) + t + 1)
+            for c in range(chunks):
+                i, slot = np.arange(lo + c * chunk, min(hi, lo + (c + 1) * chunk)), offset + c
+                if not len(i):
+                    part_ml[t, :heads, slot], part_acc[t, :heads, slot] = (-np.inf, 0.0), 0.0
+                    continue
+                keys, values = (r[kv_of_head] for r in rows(i))  # [heads, n, HD]
+                scores = np.einsum("hd,hnd->hn", q[t], keys) * a.scale
+                top = scores.max(axis=-1)
+                p = np.exp(scores - top[:, None])
+                part_ml[t, :heads, slot] = np.stack([top, p.sum(axis=-1)], axis=-1)
+                part_acc[t, :heads, slot] = np.einsum("hn,hnd->hd", p, values)
+
+    return run
+
+
+def attention_combine(grid, block, a):
+    heads, T, HD, n_plain, n_slots = grid[0], grid[1], int(a.HD), int(a.n_plain), int(a.n_slots)
+    if block[0] != HD:
+        raise ValueError("attention_combine: a thread per output dimension")
+    ml, acc = take(a.part_ml, T, heads, n_slots, 2), take(a.part_acc, T, heads, n_slots, HD)
+    top, empty = ml[..., 0], ml[..., 0] == -np.inf
+    with np.errstate(invalid="ignore"):
+        weight = np.exp(top - top.max(axis=-1, keepdims=True))
+    weighted = np.where(empty[..., None], np.float32(0), weight[..., None] * acc)  # empty chunks are skipped
+    total = np.where(empty, np.float32(0), weight * ml[..., 1]).sum(axis=-1)
+    out = weighted[:, :, :n_plain].sum(axis=2)
+    if n_slots > n_plain:  # the rotated slots, unrotated: (r @ H / sqrt(HD)) * signs
+        out += (weighted[:, :, n_plain:].sum(axis=2) @ rotation(HD)) * take(a.signs, HD)
+    take(a.out, T, heads, HD)[...] = out / total[..., None]
+
+
+def kv_append_bf16(grid, block, a):
+    T, kv, HD = grid[0], grid[1], int(a.HD)
+    if block[0] != HD:
+        raise ValueError("kv_append_bf16: a thread per element of the row")
+    positions = int(a.start[0]) + np.arange(T)
+    for rows, cache in ((a.k, a.keys), (a.v, a.values)):
+        take(cache, kv, int(a.capacity), HD)[:, positions] = f32_to_bf16_bits(take(rows, T, kv, HD)).transpose(1, 0, 2)
+
+
+def kv_append_q4(grid, block, a):
+    T, kv, sides, HD = grid[0], grid[1], grid[2], int(a.HD)
+    sink_rows, ring_rows, capacity = constant("attention", "Q4_SINK"), int(a.ring_rows), int(a.capacity)
+    positions = int(a.start[0]) + np.arange(T)
+    in_sink = positions < sink_rows
+    for rows, codes, scales, sink, ring in ((a.k, a.key_codes, a.key_scales, a.sink_keys, a.ring_keys),
+                                            (a.v, a.value_codes, a.value_scales, a.sink_values, a.ring_values))[:sides]:
+        x = take(rows, T, kv, HD)
+        take(ring, kv, ring_rows, HD)[:, positions % ring_rows] = x.transpose(1, 0, 2)
+        take(sink, kv, sink_rows, HD)[:, positions[in_sink]] = x[in_sink].transpose(1, 0, 2)
+        row_codes, row_scales = quantize_q4((x * take(a.signs, HD)) @ rotation(HD))
+        take(codes, kv, capacity, HD // 2)[:, positions] = row_codes.transpose(1, 0, 2)
+        take(scales, kv, capacity, HD // 32)[:, positions] = row_scales.view(np.uint16).transpose(1, 0, 2)
+
+
+# sampling: a (value, index) pair ranks as one u64 key, larger value first, then lower index (sampling.cu rank_key)
+
+def rank_keys(values: np.ndarray, index: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    ordered = np.where(bits & 0x80000000, ~bits, bits | np.uint32(0x80000000)).astype(np.uint64)
+    return (ordered << np.uint64(32)) | (~index.astype(np.uint32)).astype(np.uint64)
+
+
+def key_index(keys: np.ndarray) -> np.ndarray:
+    return (~(keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)).astype(np.int32)
+
+
+def key_value(keys: np.ndarray) -> np.ndarray:
+    ordered = (keys >> np.uint64(32)).astype(np.uint32)
+    return np.where(ordered & 0x80000000, ordered & np.uint32(0x7FFFFFFF), ~ordered).view(np.float32)
+
+
+def largest(keys: np.ndarray, k: int) -> np.ndarray:
+    """The k largest keys of each row, largest first; key 0 where a row has fewer than k."""
+    best = np.sort(keys, axis=-1)[..., ::-1][..., :k]
+    return np.pad(best, [(0, 0)] * (best.ndim - 1) + [(0, k - best.shape[-1])])
+
+
+def argmax_rows(grid, block, a):
+    R, V = grid[0], int(a.V)
+    a.out[:R] = take(a.x, R, V).argmax(axis=-1)
+
+
+def topk_chunks(grid, block, a):
+    chunks, R, V, k = grid[0], grid[1], int(a.V), int(a.k)
+    width = constant("sampling", "TOPK_CHUNK")
+    n = min(V, chunks * width)
+    x, candidates = take(a.x, R, V), take(a.candidates, R, chunks, k)
+    for r in range(R):
+        keys = np.zeros(chunks * width, np.uint64)
+        keys[:n] = rank_keys(x[r, :n], np.arange(n))
+        candidates[r] = largest(keys.reshape(chunks, width), k)
+
+
+def topk_merge(grid, block, a):
+    R, n, k = grid[0], int(a.n), int(a.k)
+    best = largest(take(a.candidates, R, n), k)
+    take(a.index, R, k)[...] = np.where(best != 0, key_index(best), -1)
+    take(a.value, R, k)[...] = np.where(best != 0, key_value(best), -np.inf)
+
+
+def rescore_candidates(grid, block, a):
+    T, H, k = grid[1], int(a.H), int(a.k)
+    if H % 256:
+        raise ValueError("rescore_candidates: eight weights a lane, so H % 256 == 0")
+    count = min(k, threads(grid, block) // 32)  # a warp per candidate
+    ids = take(a.candidates, T, k)[:, :count]
+    head = a.head[: a.head.size // H * H].reshape(-1, H)
+    logits = np.einsum("tch,th->tc", bf16_to_f32(head[np.maximum(ids, 0)]), take(a.hidden, T, H))
+    take(a.logits, T, k)[:, :count] = np.where(ids >= 0, logits, -np.inf)
+
+
+def pick_rescored(grid, block, a):
+    T, k = grid[0], int(a.k)
+    ids = take(a.candidates, T, k)
+    keys = np.where(ids >= 0, rank_keys(take(a.logits, T, k), ids), np.uint64(0))
+    a.out[:T] = key_index(keys.max(axis=-1))
+
+
+def ring_push(grid, block, a):
+    width, n, slots = block[0], int(a.n), int(a.slots)  # the ring's width is the block's
+    count = a.count[0]
+    row = take(a.ring, slots, width)[int(count % np.uint64(slots))]
+    row[:] = -1
+    row[:min(n, width)] = a.ids[:min(n, width)]
+    a.count[0] = count + np.uint64(1)
+
+
+TWINS = {
+    "w4a16_gemm_t8": w4a16_gemm(1), "w4a16_gemm_t16": w4a16_gemm(2), "reduce_splits": reduce_splits,
+    "f32_to_bf16_bits": f32_to_bf16_bits_twin,
+    "quantize_int8_blocks": quantize_int8_blocks_twin, "rotate_quantize_int8": rotate_quantize_int8,
+    **{f"int8_gemv_{codec}": int8_gemv(codec) for codec in INT8_CODECS}, "trellis_gemv": trellis_gemv,
+    "causal_conv_silu": causal_conv_silu, **{f"deltanet_rows_dk{dk}": deltanet_rows(dk) for dk in (32, 64, 128)},
+    **{f"attention_partial_{kind}_hd{hd}": attention_partial(kind, hd) for hd in (64, 128, 256)
+       for kind in ("bf16", "q4", "exact")},
+    "attention_combine": attention_combine, "kv_append_bf16": kv_append_bf16, "kv_append_q4": kv_append_q4,
+    "rms_norm": rms_norm, "gated_rms_norm": gated_rms_norm, "l2_norm_heads": l2_norm_heads, "qk_norm_rope": qk_norm_rope,
+    "silu_mul": silu_mul, "attention_gate": attention_gate,
+    "argmax_rows": argmax_rows, "topk_chunks": topk_chunks, "topk_merge": topk_merge,
+    "rescore_candidates": rescore_candidates, "pick_rescored": pick_rescored, "ring_push": ring_push,
+}
