@@ -1,0 +1,193 @@
+"""The simulated device (simulated_device.py) itself, and the GPU backend's paths that the demo-model
+tests of test_gpu_model.py do not take: a capture the driver refuses, KV caches that grow mid-reply,
+heads on the host or over a draft shortlist, routed experts, a bf16 token table.
+
+Everything here runs on the simulated device, so on every machine. The model-level tests go through
+load_model (DUET_BACKEND=cupy) and generate, and compare with the CPU engine as test_gpu_model.py does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import numpy as np
+import pytest
+from conftest import build_reference, save_reference
+from simulated_device import C_TYPES, SOURCES, TWINS, CaptureError, installed
+from test_gpu_model import LOGIT_RTOL, MODELS, PROMPT_TEXT, decode_logits, greedy_tokens, load
+
+from engine import heads
+from engine.backend import cupy_backend as gb
+from engine.backend import cupy_model, select
+from engine.kernels import build
+from engine.tokenizer import Tokenizer
+
+
+@pytest.fixture
+def cp(monkeypatch):
+    with installed(monkeypatch) as simulated:
+        yield simulated
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    return Tokenizer.from_dir(MODELS / "demo").encode(PROMPT_TEXT)
+
+
+# ---------------------------------------------------------------------------- the device ---
+
+def test_every_kernel_has_a_parsed_signature_and_a_twin():
+    for source, names in build.KERNELS.items():
+        assert set(SOURCES[source].kernels) == set(names), source
+        assert all(p.ctype in C_TYPES for params in SOURCES[source].kernels.values() for p in params)
+    assert set(TWINS) == {name for names in build.KERNELS.values() for name in names}
+
+
+def rms_norm_args(cp, rows: int = 2):
+    x = cp.asarray(np.arange(rows * 64, dtype=np.float32).reshape(rows, 64))
+    return x, cp.asarray(np.ones(64, np.float32)), cp.empty((rows, 64), cp.float32)
+
+
+def test_a_launch_is_checked_against_the_kernels_source(cp):
+    rms_norm = build.kernel("norms", "rms_norm")
+    x, w, y = rms_norm_args(cp)
+    rms_norm((2,), (256,), (x, w, y, np.int32(64), np.float32(1e-6)))
+    want = x.get() / np.sqrt((x.get() ** 2).mean(axis=1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(y.get(), want, rtol=1e-6)
+    wrong = {"D is a C int; pass numpy.int32, not int": (x, w, y, 64, np.float32(1e-6)),  # CuPy would pass 8 bytes
+             "eps is a C float; pass numpy.float32, not float": (x, w, y, np.int32(64), 1e-6),
+             r"x is a float\*, got ndarray": (x.get(), w, y, np.int32(64), np.float32(1e-6)),
+             r"w is a float\*, got a uint16 device array": (x, w.astype(cp.uint16), y, np.int32(64), np.float32(1e-6)),
+             "takes 5 arguments, got 4": (x, w, y, np.int32(64))}
+    for message, args in wrong.items():
+        with pytest.raises(TypeError, match=message):
+            rms_norm((2,), (256,), args)
+
+
+def test_a_kernel_computes_only_what_its_grid_covers(cp):
+    x, w, y = rms_norm_args(cp)
+    build.kernel("norms", "rms_norm")((1,), (256,), (x, w, y, np.int32(64), np.float32(1e-6)))  # one block: row 0
+    assert np.all(np.isfinite(y.get()[0])) and np.all(np.isnan(y.get()[1]))  # row 1 is still uninitialised memory
+
+
+def test_a_capture_records_and_each_replay_reads_the_buffers_as_they_are(cp):
+    ring, count, ids = cp.full((4, 3), -1, cp.int32), cp.zeros(1, cp.uint64), cp.asarray(np.array([7, 8], np.int32))
+    gb.ring_push(ids, ring, count)  # uncaptured: runs now (and loads the kernel)
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        stream.begin_capture()
+        gb.ring_push(ids, ring, count)
+        doubled = ids + ids
+        graph = stream.end_capture()
+    assert count.get()[0] == 1 and ring.get()[1].tolist() == [-1, -1, -1]  # recorded, not run
+    assert doubled.get().tolist() == [np.iinfo(np.int32).max] * 2  # nothing written yet
+    for step, tokens in enumerate(([5, 6], [1, 2])):
+        ids.set(np.array(tokens, np.int32))
+        graph.launch(stream=cp.cuda.get_current_stream())
+        assert ring.get()[1 + step].tolist() == [*tokens, -1] and count.get()[0] == 2 + step
+        assert doubled.get().tolist() == [2 * t for t in tokens]
+    assert ring.get()[0].tolist() == [7, 8, -1]
+
+
+REFUSED = {
+    "host to device": lambda cp, x: cp.asarray(np.zeros(2, np.float32)),
+    "set": lambda cp, x: x.set(np.zeros((2, 2), np.float32)),
+    "device to host": lambda cp, x: x.get(),
+    "default pool": lambda cp, x: cp.empty(2, cp.float32),
+    "first load of a kernel": lambda cp, x: gb.silu_mul(x),
+    "cuBLAS's first product": lambda cp, x: x @ x,
+}
+
+
+@pytest.mark.parametrize("action", REFUSED)
+def test_a_capture_refuses_what_the_driver_would(cp, action):
+    x = cp.zeros((2, 2), cp.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    pool = contextlib.nullcontext() if action == "default pool" else cp.cuda.using_allocator(cp.cuda.MemoryPool().malloc)
+    with stream:
+        stream.begin_capture()
+        with pool:
+            with pytest.raises(CaptureError):
+                REFUSED[action](cp, x)
+        with pytest.raises(CaptureError, match="invalidated"):
+            stream.end_capture()
+    REFUSED[action](cp, x)  # uncaptured, each is fine
+
+
+def test_the_simulated_device_leaves_the_backend_as_it_found_it():
+    import cupy
+
+    real_kernel, real_count = build.kernel, select.cuda_device_count
+    with pytest.MonkeyPatch.context() as monkeypatch, installed(monkeypatch) as simulated:
+        assert gb.cp is simulated and cupy_model.cp is simulated and gb.kernel is not real_kernel
+    assert gb.cp is cupy and cupy_model.cp is cupy and sys.modules["cupy"] is cupy
+    assert gb.kernel is real_kernel and cupy_model.kernel is real_kernel and build.kernel is real_kernel
+    assert select.cuda_device_count is real_count
+
+
+# -------------------------------------------------------------- the backend's other paths ---
+
+def test_a_capture_the_driver_refuses_leaves_the_reply_uncaptured_and_unchanged(cp, prompt, monkeypatch):
+    want, _ = greedy_tokens(load(MODELS / "demo_int4", "w4a16", "cpu", monkeypatch), prompt, "full", "mtp")
+    cp.device.refused_kernel = "ring_push"  # launched inside the capture only
+    lm = load(MODELS / "demo_int4", "w4a16", "cupy", monkeypatch)
+    got, _ = greedy_tokens(lm, prompt, "full", "mtp")
+    assert got == want
+    assert "ring_push (refused by the simulated driver) inside a stream capture" in lm.model.graph_error
+
+
+@pytest.mark.usefixtures("cp")
+@pytest.mark.parametrize("kv", ["full", "q4"])
+def test_kv_caches_grow_mid_reply(prompt, monkeypatch, kv):
+    """A 120-token prompt and a 150-token reply pass the caches' first 256 rows: they grow (the graphs
+    that wrote the old arrays are dropped) and, in q4, the quantized middle rows come into play. The
+    prompt stays under SINK_ROWS + RECENT_ROWS, where CPU and GPU prefills read the same rows."""
+    long_prompt = 4 * prompt
+    want, _ = greedy_tokens(load(MODELS / "demo", "bf16", "cpu", monkeypatch), long_prompt, kv, "ngram", max_tokens=150)
+    got, _ = greedy_tokens(load(MODELS / "demo", "bf16", "cupy", monkeypatch), long_prompt, kv, "ngram", max_tokens=150)
+    assert len(long_prompt) + len(got) > cupy_model.KV_CAPACITY
+    assert got == want
+
+
+@pytest.mark.usefixtures("cp")
+@pytest.mark.parametrize("fmt,route,host_tables,rows", [
+    ("demo", "bf16", False, 1024),  # a view of the float head's device rows
+    ("demo_gguf", "w4a8", False, 1024),  # the Q8_0 head's rows through the int8 kernels
+    ("demo", "bf16", True, 1000),  # host tables: the head on the host, and the shortlist's int4 rows (not 16s) too
+])
+def test_draft_shortlists_and_host_heads(prompt, monkeypatch, fmt, route, host_tables, rows):
+    """With a draft shortlist (the demo vocabulary is under SHORTLIST_ROWS, so the cut is lowered) the
+    draft logits equal the CPU's, and MTP replies equal the CPU's with as many drafts kept."""
+    monkeypatch.setattr(heads, "SHORTLIST_ROWS", rows)
+    cpu, gpu = (load(MODELS / fmt, route, backend, monkeypatch, host_tables=host_tables) for backend in ("cpu", "cupy"))
+    hidden = cpu.model.forward(cpu.model.new_state(), prompt)
+    want, got = cpu.model.draft_logits(hidden), gpu.model.draft_logits(hidden)
+    scored = np.isfinite(want)
+    assert np.array_equal(np.isfinite(got), scored) and scored.sum() == len(want) * rows
+    np.testing.assert_allclose(got[scored], want[scored], rtol=1e-4, atol=1e-4 * np.abs(want[scored]).max())
+    (want_tokens, want_stats), (got_tokens, got_stats) = (greedy_tokens(lm, prompt, "full", "mtp") for lm in (cpu, gpu))
+    assert got_tokens == want_tokens and got_stats["accepted"] == want_stats["accepted"]
+
+
+@pytest.mark.usefixtures("cp")
+def test_routed_experts_and_a_bf16_token_table(monkeypatch, tmp_path):
+    """A tiny MoE checkpoint (transformers', in the geometry the kernels take, stored in bf16 with its
+    own token table): experts are routed on the host, so the pass runs uncaptured, and the table is
+    kept as bf16 bits. Logits along the CPU's greedy path match within LOGIT_RTOL."""
+    import torch
+
+    reference = build_reference("qwen3_5_moe_text", seed=3, head_dim=64, linear_key_head_dim=32, linear_value_head_dim=32)
+    path = save_reference(reference.to(torch.bfloat16), tmp_path / "moe")
+    cpu, gpu = load(path, "bf16", "cpu", monkeypatch), load(path, "bf16", "cupy", monkeypatch)
+    tokens = cpu.tokenizer.encode("the quick brown fox jumps over")
+    want = decode_logits(cpu.model, "full", tokens, 8)
+    got = decode_logits(gpu.model, "full", tokens, 8, forced=[int(t) for t in want.argmax(axis=-1)])
+    assert np.abs(got - want).max() <= LOGIT_RTOL * np.abs(want).max()
+
+
+@pytest.mark.usefixtures("cp")
+def test_take_weights_refuses_another_checkpoint(monkeypatch):
+    gpu, other = load(MODELS / "demo", "bf16", "cupy", monkeypatch), load(MODELS / "demo_int4", "w4a16", "cpu", monkeypatch)
+    with pytest.raises(ValueError, match="same checkpoint"):
+        gpu.model.take_weights(other.model)
