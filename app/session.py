@@ -253,7 +253,7 @@ def sampling_params(settings: ReplySettings) -> SamplingParams:
 def reply_options(settings: ReplySettings, context: int | None, choices: EngineChoices, accept: Accept) -> GenerateOptions:
     """Engine options for a reply from the user's settings and this run's engine choices."""
     return GenerateOptions(max_tokens=settings.max_tokens, sampling=sampling_params(settings), context=context,
-                           draft=choices.draft, depth=choices.depth, kv=choices.kv.generator_name, accept=accept)
+                           draft=choices.draft, depth=choices.depth, kv=choices.kv, accept=accept)
 
 
 class EngineHost:

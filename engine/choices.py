@@ -43,10 +43,3 @@ class KVCache(StrEnum):
     def runs(self) -> bool:
         """Whether the engine can run this cache, not only plan it."""
         return self is not KVCache.Q8
-
-    @property
-    def generator_name(self) -> str:
-        """The name GenerateOptions.kv takes: the generator calls the bf16 cache "full"."""
-        if not self.runs:
-            raise ValueError(f"the {self} KV cache is for planning only")
-        return "full" if self is KVCache.BF16 else str(self)

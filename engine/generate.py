@@ -14,13 +14,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from engine.choices import KVCache
 from engine.errors import DuetError
 from engine.loader import LoadedModel
 from engine.sampling import Sampler, SamplingParams, process_rows
 from engine.speculative import EXACT, Depth, accept, check_rule, make_drafter
-
-
-KV_TYPES = ("full", "q4")
 
 
 @dataclass(frozen=True)
@@ -31,7 +29,7 @@ class GenerateOptions:
     draft: str = "auto"  # auto (MTP when the checkpoint has it, else n-gram), mtp, ngram, none
     depth: int | None = None  # drafts per cycle; None: adaptive
     accept: str = EXACT  # exact or lossy; the starting value of Switches.accept
-    kv: str = "full"  # attention KV cache: full precision, or q4 (Hadamard-rotated 4-bit, exact sink/recent)
+    kv: KVCache = KVCache.BF16  # attention KV cache: unquantized, or q4 (Hadamard-rotated 4-bit, exact sink/recent)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -39,8 +37,9 @@ class GenerateOptions:
         if self.context is not None and self.context < 2:
             raise DuetError(f"context must be at least 2 tokens (got {self.context})")
         check_rule(self.accept)
-        if self.kv not in KV_TYPES:
-            raise DuetError(f"unknown KV cache type {self.kv!r}; choose {' or '.join(KV_TYPES)}")
+        runnable = [kv for kv in KVCache if kv.runs]
+        if self.kv not in runnable:
+            raise DuetError(f"KV cache type {self.kv!r} cannot run; choose {' or '.join(runnable)}")
 
 
 @dataclass

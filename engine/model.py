@@ -21,6 +21,7 @@ import numpy as np
 
 from engine.backend import threads
 from engine.backend.cpu_ops import CPU, softmax
+from engine.choices import KVCache
 from engine.config import ModelConfig
 
 # --------------------------------------------------------------------------------------------
@@ -40,7 +41,7 @@ class Attention:
     config: ModelConfig
     ops: object = CPU
 
-    def new_cache(self, kv: str = "full"):
+    def new_cache(self, kv: str = KVCache.BF16):
         return self.ops.kv_cache(self.config.num_key_value_heads, self.config.head_dim, kv)
 
     def __call__(self, x, cache, pos, last_only: bool = False):
@@ -66,7 +67,7 @@ class DeltaNet:
     config: ModelConfig
     ops: object = CPU
 
-    def new_cache(self, kv: str = "full"):
+    def new_cache(self, kv: str = KVCache.BF16):
         c = self.config
         return self.ops.deltanet_state(self.conv.shape[0], self.conv.shape[1], c.linear_num_value_heads,
                                        c.linear_key_head_dim, c.linear_value_head_dim)
@@ -172,7 +173,7 @@ class Model:
         self.embed, self.layers, self.norm = other.embed, other.layers, other.norm
         self.lm_head, self.mtp, self.draft_head = other.lm_head, other.mtp, other.draft_head
 
-    def new_state(self, kv: str = "full"):
+    def new_state(self, kv: str = KVCache.BF16):
         """Fresh per-sequence state; kv "q4" keeps attention keys/values in the 4-bit cache."""
         return self.ops.new_state([layer.mixer.new_cache(kv) for layer in self.layers])
 

@@ -274,7 +274,7 @@ class CpuOps:
     def new_state(self, caches: list) -> SequenceState:
         return SequenceState(caches)
 
-    def kv_cache(self, kv_heads: int, head_dim: int, kv: str = "full") -> KVCache | Q4KVCache:
+    def kv_cache(self, kv_heads: int, head_dim: int, kv: str) -> KVCache | Q4KVCache:
         return Q4KVCache(kv_heads, head_dim) if kv == "q4" else KVCache(kv_heads, head_dim)
 
     def deltanet_state(self, channels: int, kernel: int, value_heads: int, key_dim: int, value_dim: int) -> DeltaNetState:

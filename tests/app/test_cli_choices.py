@@ -8,7 +8,7 @@ import json
 import pytest
 
 from app.cli import main, main_parser
-from engine import Accept, Draft, GenerateOptions, KVCache, Route
+from engine import Accept, Draft, DuetError, GenerateOptions, KVCache, Route
 from engine.placement import KV_TYPES
 from engine.speculative import DRAFTERS, EXACT, LOSSY
 
@@ -32,9 +32,10 @@ def one_line_error(capsys, *args: str) -> str:
 def test_the_words_are_the_engines_own():
     assert set(Draft) == set(DRAFTERS) and set(Accept) == {EXACT, LOSSY}
     assert set(KVCache) == set(KV_TYPES)  # what placement plans
-    for kv in KVCache:
-        if kv.runs:
-            assert GenerateOptions(kv=kv.generator_name).kv == kv.generator_name  # what the generator runs
+    assert [kv for kv in KVCache if kv.runs] == [KVCache.BF16, KVCache.Q4]  # what the generator runs
+    GenerateOptions(kv=KVCache.BF16), GenerateOptions(kv="q4")
+    with pytest.raises(DuetError, match="q8"):
+        GenerateOptions(kv=KVCache.Q8)
 
 
 def test_help_lists_one_vocabulary(capsys):

@@ -147,10 +147,6 @@ def test_reply_options_follow_the_config_and_the_engine_choices():
     assert reply_options(Config(seed=3), 1024, EngineChoices(), Accept.EXACT).sampling.seed == 3
 
 
-def test_the_bf16_kv_cache_is_the_one_the_generator_calls_full():
-    assert reply_options(Config(), 1024, EngineChoices(kv=KVCache.BF16), Accept.EXACT).kv == "full"
-
-
 def test_headless_flags_and_the_config_give_the_same_options_for_the_same_settings():
     args = main_parser().parse_args(["--headless", "fox", "--max-tokens", "7", "--temperature", "0.5", "--top-k", "20",
                                      "--presence-penalty", "0.3", "--seed", "4"])
