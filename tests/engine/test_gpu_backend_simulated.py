@@ -129,16 +129,16 @@ def test_the_simulated_device_leaves_the_backend_as_it_found_it():
 # -------------------------------------------------------------- the backend's other paths ---
 
 def test_a_capture_the_driver_refuses_leaves_the_reply_uncaptured_and_unchanged(cp, prompt, monkeypatch):
-    want, _ = greedy_tokens(load(MODELS / "demo_int4", "w4a16", "cpu", monkeypatch), prompt, "full", "mtp")
+    want, _ = greedy_tokens(load(MODELS / "demo_int4", "w4a16", "cpu", monkeypatch), prompt, "bf16", "mtp")
     cp.device.refused_kernel = "ring_push"  # launched inside the capture only
     lm = load(MODELS / "demo_int4", "w4a16", "cupy", monkeypatch)
-    got, _ = greedy_tokens(lm, prompt, "full", "mtp")
+    got, _ = greedy_tokens(lm, prompt, "bf16", "mtp")
     assert got == want
     assert "ring_push (refused by the simulated driver) inside a stream capture" in lm.model.graph_error
 
 
 @pytest.mark.usefixtures("cp")
-@pytest.mark.parametrize("kv", ["full", "q4"])
+@pytest.mark.parametrize("kv", ["bf16", "q4"])
 def test_kv_caches_grow_mid_reply(prompt, monkeypatch, kv):
     """A 120-token prompt and a 150-token reply pass the caches' first 256 rows: they grow (the graphs
     that wrote the old arrays are dropped) and, in q4, the quantized middle rows come into play. The
@@ -166,7 +166,7 @@ def test_draft_shortlists_and_host_heads(prompt, monkeypatch, fmt, route, host_t
     scored = np.isfinite(want)
     assert np.array_equal(np.isfinite(got), scored) and scored.sum() == len(want) * rows
     np.testing.assert_allclose(got[scored], want[scored], rtol=1e-4, atol=1e-4 * np.abs(want[scored]).max())
-    (want_tokens, want_stats), (got_tokens, got_stats) = (greedy_tokens(lm, prompt, "full", "mtp") for lm in (cpu, gpu))
+    (want_tokens, want_stats), (got_tokens, got_stats) = (greedy_tokens(lm, prompt, "bf16", "mtp") for lm in (cpu, gpu))
     assert got_tokens == want_tokens and got_stats["accepted"] == want_stats["accepted"]
 
 
@@ -181,8 +181,8 @@ def test_routed_experts_and_a_bf16_token_table(monkeypatch, tmp_path):
     path = save_reference(reference.to(torch.bfloat16), tmp_path / "moe")
     cpu, gpu = load(path, "bf16", "cpu", monkeypatch), load(path, "bf16", "cupy", monkeypatch)
     tokens = cpu.tokenizer.encode("the quick brown fox jumps over")
-    want = decode_logits(cpu.model, "full", tokens, 8)
-    got = decode_logits(gpu.model, "full", tokens, 8, forced=[int(t) for t in want.argmax(axis=-1)])
+    want = decode_logits(cpu.model, "bf16", tokens, 8)
+    got = decode_logits(gpu.model, "bf16", tokens, 8, forced=[int(t) for t in want.argmax(axis=-1)])
     assert np.abs(got - want).max() <= LOGIT_RTOL * np.abs(want).max()
 
 
