@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.checkpoint.gguf import grouped_to_stored_heads, head_rows, stored_to_grouped_heads
-from engine.checkpoint.hf import TensorPlan
+from engine.checkpoint.gguf_names import GGUF_ARCHITECTURE, gguf_tensors
+from engine.checkpoint.hf import TensorPlan, split_qwen3_next_projections
 from engine.checkpoint.safetensors import SafetensorsCheckpoint
 from engine.config import FULL_ATTENTION, ModelConfig
 from engine.errors import DuetError
@@ -45,8 +45,6 @@ OUR_FORMAT = {"duet.format": "int4-pack-quantized", "duet.version": "1"}  # __me
 # in_proj_ba is Qwen3-Next's fused in_proj_b + in_proj_a: kept 16-bit like them (its per-head split
 # takes rows that cut trellis tiles).
 KEPT_16BIT = ("embed_tokens", "lm_head", "in_proj_a", "in_proj_b", "in_proj_ba", "mlp.gate", "shared_expert_gate")
-ARCHS = {"qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe",
-         "qwen3_next": "qwen3next"}
 MROPE_SECTIONS = [11, 11, 10, 0]  # llama.cpp requires the key for qwen35; text-only positions make it plain RoPE
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "BF16": 32}  # general.file_type (llama_ftype)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
@@ -78,7 +76,7 @@ def run_convert(args: argparse.Namespace) -> int:
     else:
         if dst.suffix != ".gguf":
             raise DuetError(f"{dst}: a GGUF output needs a .gguf file name")
-        count = write_gguf(src, dst, config, ckpt, plan, GGUF_TYPES[args.format])
+        count = write_gguf(src, dst, config, ckpt, plan, gguf_architecture(src, config), GGUF_TYPES[args.format])
         print(f"wrote {dst}: {count} tensors, {GGUF_TYPES[args.format]} matrices")
     ckpt.close()
     return 0
@@ -96,7 +94,7 @@ def quantizable(name: str, shape: tuple[int, ...]) -> bool:
 def write_int4(src: Path, dst: Path, ckpt: SafetensorsCheckpoint, plan: TensorPlan) -> int:
     tensors: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
     ignore, count = [], 0
-    for name, matrix in per_expert_matrices(ckpt, plan):
+    for name, matrix in per_expert_matrices(ckpt.read_f32, plan):
         if matrix.ndim == 2 and quantizable(name, matrix.shape):
             module, w4 = name[: -len(".weight")], quantize_rtn(matrix)
             tensors[module + ".weight_packed"] = ("I32", w4.packed.shape, w4.packed.tobytes())
@@ -123,7 +121,7 @@ def write_trellis(src: Path, dst: Path, ckpt: SafetensorsCheckpoint, plan: Tenso
     needing N % 16 == 0; config.json unchanged (the files' metadata says what they are)."""
     tensors: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
     count = 0
-    for name, matrix in per_expert_matrices(ckpt, plan):
+    for name, matrix in per_expert_matrices(ckpt.read_f32, plan):
         if matrix.ndim == 2 and quantizable(name, matrix.shape) and matrix.shape[0] % trellis.TILE_ROWS == 0:
             module = name[: -len(".weight")]
             coded = trellis.quantize_matrix(matrix, k, TRELLIS_SEED, trellis.STEPS[k])
@@ -140,21 +138,30 @@ def write_trellis(src: Path, dst: Path, ckpt: SafetensorsCheckpoint, plan: Tenso
     return count
 
 
-def per_expert_matrices(ckpt: SafetensorsCheckpoint, plan: TensorPlan):
-    """(name, fp32 array) of every tensor the model reads; fused experts split into per-expert matrices."""
+def per_expert_matrices(read, plan: TensorPlan):
+    """(name, fp32 array) of every tensor the model reads (`read(name)` reads one); fused experts split
+    into per-expert matrices."""
     for name in plan.expected:
-        value = ckpt.read_f32(name)
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            base = name[: -len("gate_up_proj")] if name.endswith("gate_up_proj") else name[: -len("down_proj")]
-            for e, matrix in enumerate(value):
-                if name.endswith("gate_up_proj"):
-                    gate, up = np.split(matrix, 2)
-                    yield f"{base}{e}.gate_proj.weight", gate
-                    yield f"{base}{e}.up_proj.weight", up
-                else:
-                    yield f"{base}{e}.down_proj.weight", matrix
+        value = read(name)
+        if name.endswith(FUSED_EXPERTS):
+            yield from expert_matrices(name, value).items()
         else:
             yield name, value
+
+
+FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def expert_matrices(name: str, value: np.ndarray) -> dict[str, np.ndarray]:
+    """A fused experts tensor (`...experts.gate_up_proj` [E, 2I, H] or `...experts.down_proj` [E, H, I])
+    as per-expert matrices by name (`...experts.3.up_proj.weight`)."""
+    base, _, kind = name.rpartition(".")
+    if kind == "down_proj":
+        return {f"{base}.{e}.down_proj.weight": matrix for e, matrix in enumerate(value)}
+    out = {}
+    for e, matrix in enumerate(value):
+        out[f"{base}.{e}.gate_proj.weight"], out[f"{base}.{e}.up_proj.weight"] = np.split(matrix, 2)
+    return out
 
 
 def raw_tensor(ckpt: SafetensorsCheckpoint, name: str, value: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
@@ -200,62 +207,111 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...],
 # GGUF (what llama.cpp's converter writes for qwen35 / qwen35moe / qwen3next)
 
 
-def write_gguf(src: Path, dst: Path, config: ModelConfig, ckpt: SafetensorsCheckpoint, plan: TensorPlan,
+def gguf_architecture(src: Path, config: ModelConfig) -> str:
+    arch = GGUF_ARCHITECTURE[config.model_type]
+    dense = [i for i, moe in enumerate(config.moe_layers) if not moe]
+    if arch == "qwen3next" and dense:
+        raise DuetError(f"{src / 'config.json'}: layers {dense} have a dense MLP (mlp_only_layers), but llama.cpp's "
+                        "qwen3next has experts in every layer, so GGUF cannot hold this model; convert with --format int4")
+    return arch
+
+
+def write_gguf(src: Path, dst: Path, config: ModelConfig, ckpt: SafetensorsCheckpoint, plan: TensorPlan, arch: str,
                qtype_name: str) -> int:
-    """Two passes over the tensors: their infos first (the header precedes the data), then the data
-    one tensor at a time, so memory holds one converted tensor, never the model."""
+    """The header (keys and tensor infos, from the name table's shapes), then the data one tensor at a
+    time, so memory holds one converted tensor, never the model."""
     import gguf
 
-    arch = ARCHS[config.model_type]
     qtype = gguf.GGMLQuantizationType[qtype_name]
-    tensors = gguf_tensors(config, arch, lambda key: ckpt.read_f32(plan.name(key)), plan.fused_experts, plan.has_mtp)
+    tensors = gguf_tensors(config, arch, plan.has_mtp)
     writer = gguf.GGUFWriter(str(dst), arch)
-    write_gguf_metadata(writer, config, arch, src.name, qtype)
+    write_gguf_metadata(writer, config, arch, src.name, qtype, plan.has_mtp)
     write_gguf_tokenizer(writer, src, config)
-    for name, load in tensors:
-        data, raw_dtype = gguf_data(name, load(), qtype, shape_only=True)
-        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype)
+    for tensor in tensors:
+        kind = gguf_type(tensor, qtype)
+        if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            dtype = np.dtype(np.float32 if kind == gguf.GGMLQuantizationType.F32 else np.float16)
+            writer.add_tensor_info(tensor.name, tensor.shape, dtype, int(np.prod(tensor.shape)) * dtype.itemsize)
+        else:
+            shape = gguf.quant_shape_to_byte_shape(tensor.shape, kind)
+            writer.add_tensor_info(tensor.name, shape, np.dtype(np.uint8), int(np.prod(shape)), kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for name, load in tensors:
-        writer.write_tensor_data(gguf_data(name, load(), qtype)[0])
+    read = ModelTensors(ckpt, plan)
+    for tensor in tensors:
+        writer.write_tensor_data(gguf_data(tensor.from_model(read), gguf_type(tensor, qtype)))
     writer.close()
     return len(tensors)
 
 
-KEPT_F32 = ("ssm_conv1d", "ffn_gate_inp")  # matrices the converter keeps in f32 (conv taps, router gates)
+OUTPUT_HEAD = "output.weight"
+TABLES = ("token_embd.weight", OUTPUT_HEAD)
 
 
-def gguf_data(name: str, value: np.ndarray, qtype, shape_only: bool = False):
-    """(array to write, raw GGML type or None): matrices in qtype when their rows fit its blocks, else f32.
+def gguf_type(tensor, qtype):
+    """The GGML type a tensor is written in: qtype for matrices whose rows fit its blocks, else F32.
 
     Embedding and output head stay Q8_0 in a Q4_0 file: one token's row or the logits take the
     whole error of their 32-blocks, so llama-quantize keeps them above the body's type too.
     """
     import gguf
 
-    if name in TABLES and qtype == gguf.GGMLQuantizationType.Q4_0:
+    if tensor.name in TABLES and qtype == gguf.GGMLQuantizationType.Q4_0:
         qtype = gguf.GGMLQuantizationType.Q8_0
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    keep_f32 = value.ndim < 2 or any(part in name for part in KEPT_F32) or value.shape[-1] % block
-    if keep_f32 or qtype == gguf.GGMLQuantizationType.F32:
-        return np.ascontiguousarray(value, np.float32), None
-    if qtype == gguf.GGMLQuantizationType.F16:
-        return value.astype(np.float16), None
-    if shape_only:  # the byte shape, without quantizing
-        return np.empty(gguf.quant_shape_to_byte_shape(value.shape, qtype), np.uint8), qtype
-    return gguf.quants.quantize(np.ascontiguousarray(value, np.float32), qtype), qtype
+    if tensor.float32 or tensor.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return gguf.GGMLQuantizationType.F32
+    return qtype
 
 
-def write_gguf_metadata(writer, config: ModelConfig, arch: str, name: str, qtype) -> None:
+def gguf_data(value: np.ndarray, kind) -> np.ndarray:
+    import gguf
+
+    if kind == gguf.GGMLQuantizationType.F32:
+        return np.ascontiguousarray(value, np.float32)
+    if kind == gguf.GGMLQuantizationType.F16:
+        return value.astype(np.float16)
+    return gguf.quants.quantize(np.ascontiguousarray(value, np.float32), kind)
+
+
+class ModelTensors:
+    """fp32 tensors of an HF checkpoint by model key, in the layout the name table uses whatever the
+    checkpoint's: fused experts come out per expert, Qwen3-Next's in_proj_qkvz / in_proj_ba split as
+    engine/checkpoint/hf.py splits them. The parts of the last fused tensor read are kept, since the
+    table asks for them one after another."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, plan: TensorPlan):
+        self.ckpt, self.plan = ckpt, plan
+        self.parts: dict[str, np.ndarray] = {}
+
+    def __call__(self, key: str) -> np.ndarray:
+        name = self.plan.name(key)
+        if name in self.ckpt:
+            return self.ckpt.read_f32(name)
+        if key not in self.parts:
+            self.parts = self._fused_parts(key)
+        return self.parts[key]
+
+    def _fused_parts(self, key: str) -> dict[str, np.ndarray]:
+        experts, _, expert_part = key.partition(".experts.")
+        if expert_part:  # ...experts.3.up_proj.weight: in experts.gate_up_proj or experts.down_proj
+            fused = f"{experts}.experts.{'down_proj' if expert_part.endswith('down_proj.weight') else 'gate_up_proj'}"
+            return expert_matrices(fused, self.ckpt.read_f32(self.plan.name(fused)))
+        d = key[: key.index("linear_attn.") + len("linear_attn.")]
+        parts = {d + name: self.ckpt.read_f32(self.plan.name(d + name)) for name in ("in_proj_qkvz.weight", "in_proj_ba.weight")}
+        split_qwen3_next_projections(self.plan.config, parts)
+        return parts
+
+
+def write_gguf_metadata(writer, config: ModelConfig, arch: str, name: str, qtype, mtp: bool) -> None:
     import gguf
 
     c = config
+    mtp_layers = c.mtp_num_hidden_layers if mtp else 0
     writer.add_name(name)
     writer.add_file_type(FILE_TYPES[qtype.name])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_block_count(c.num_hidden_layers + c.mtp_num_hidden_layers)
+    writer.add_block_count(c.num_hidden_layers + mtp_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     if c.intermediate_size:
@@ -276,15 +332,14 @@ def write_gguf_metadata(writer, config: ModelConfig, arch: str, name: str, qtype
     writer.add_ssm_group_count(c.linear_num_key_heads)
     writer.add_ssm_time_step_rank(c.linear_num_value_heads)
     writer.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
-    recurrent = [kind != FULL_ATTENTION for kind in c.layer_types] + [False] * c.mtp_num_hidden_layers
+    recurrent = [kind != FULL_ATTENTION for kind in c.layer_types] + [False] * mtp_layers
     writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
     writer.add_full_attention_interval(_full_attention_interval(c))
     writer.add_rope_dimension_count(c.rotary_dim)
     if arch != "qwen3next":
         writer.add_rope_dimension_sections(MROPE_SECTIONS)
-    if c.mtp_num_hidden_layers:
-        writer.add_nextn_predict_layers(c.mtp_num_hidden_layers)
-
+    if mtp_layers:
+        writer.add_nextn_predict_layers(mtp_layers)
 
 
 def _full_attention_interval(c: ModelConfig) -> int:
@@ -338,95 +393,3 @@ def pre_tokenizer_name(pre: dict | None, src: Path, splits: dict[str, str | None
             return name
     raise DuetError(f"{src / 'tokenizer.json'}: its pre-tokenizer is not one GGUF names here "
                     f"({', '.join(splits)}); convert a Qwen or GPT-2 style tokenizer")
-
-
-
-OUTPUT_HEAD = "output.weight"
-TABLES = ("token_embd.weight", OUTPUT_HEAD)
-
-
-def gguf_tensors(c: ModelConfig, arch: str, get, fused_experts: bool, has_mtp: bool) -> list:
-    """(GGUF name, loader of its numpy data) for every tensor, transformed as llama.cpp's converter does."""
-    out: list = []
-
-    def put(name: str, load):
-        out.append((name, load))
-
-    def norm(name: str, key: str):
-        put(name, lambda: get(key) + np.float32(1))  # zero-centred norms are stored as 1 + w
-
-    put("token_embd.weight", lambda: get("embed_tokens.weight"))
-    norm("output_norm.weight", "norm.weight")
-    if not c.tie_word_embeddings:
-        put(OUTPUT_HEAD, lambda: get("lm_head.weight"))
-    for i, kind in enumerate(c.layer_types):
-        _gguf_layer(c, arch, f"blk.{i}.", f"layers.{i}.", kind, c.moe_layers[i], get, put, norm, fused_experts)
-    if has_mtp:
-        n = f"blk.{c.num_hidden_layers}."
-        put(n + "nextn.eh_proj.weight", lambda: get("mtp.fc.weight"))
-        norm(n + "nextn.enorm.weight", "mtp.pre_fc_norm_embedding.weight")
-        norm(n + "nextn.hnorm.weight", "mtp.pre_fc_norm_hidden.weight")
-        norm(n + "nextn.shared_head_norm.weight", "mtp.norm.weight")
-        _gguf_layer(c, arch, n, "mtp.layers.0.", FULL_ATTENTION, c.is_moe, get, put, norm, fused_experts)
-    return out
-
-
-def _gguf_layer(c: ModelConfig, arch: str, b: str, p: str, kind: str, moe: bool, get, put, norm, fused: bool) -> None:
-    norm(b + "attn_norm.weight", p + "input_layernorm.weight")
-    norm(b + "post_attention_norm.weight", p + "post_attention_layernorm.weight")
-    if kind == FULL_ATTENTION:
-        a = p + "self_attn."
-        for name, key in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
-            put(f"{b}{name}.weight", lambda key=key: get(f"{a}{key}.weight"))
-        norm(b + "attn_q_norm.weight", a + "q_norm.weight")
-        norm(b + "attn_k_norm.weight", a + "k_norm.weight")
-    else:
-        _gguf_deltanet(c, arch, b, p + "linear_attn.", get, put)
-    m = p + "mlp."
-    if not moe:
-        for name, key in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
-            put(f"{b}{name}.weight", lambda key=key: get(f"{m}{key}.weight"))
-        return
-    put(b + "ffn_gate_inp.weight", lambda: get(m + "gate.weight"))
-    for name, key in (("ffn_gate_exps", "gate_proj"), ("ffn_up_exps", "up_proj"), ("ffn_down_exps", "down_proj")):
-        put(f"{b}{name}.weight", lambda key=key: _stacked_experts(c, get, m, key, fused))
-    for name, key in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj"), ("ffn_down_shexp", "down_proj")):
-        put(f"{b}{name}.weight", lambda key=key: get(f"{m}shared_expert.{key}.weight"))
-    put(b + "ffn_gate_inp_shexp.weight", lambda: get(m + "shared_expert_gate.weight"))
-
-
-def _stacked_experts(c: ModelConfig, get, m: str, key: str, fused: bool) -> np.ndarray:
-    """[E, out, in]: per-expert matrices stacked, or the fused gate_up / down tensors split."""
-    if not fused:
-        return np.stack([get(f"{m}experts.{e}.{key}.weight") for e in range(c.num_experts)])
-    if key == "down_proj":
-        return get(m + "experts.down_proj")
-    gate, up = np.split(get(m + "experts.gate_up_proj"), 2, axis=1)
-    return gate if key == "gate_proj" else up
-
-
-def _gguf_deltanet(c: ModelConfig, arch: str, b: str, d: str, get, put) -> None:
-    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    qk = 2 * hk * dk
-    if arch == "qwen3next":
-        from engine.checkpoint.hf import qwen3_next_rows
-
-        (qkv_rows, z_rows), _ = qwen3_next_rows(c)
-        put(b + "attn_qkv.weight", lambda: get(d + "in_proj_qkvz.weight")[qkv_rows])
-        put(b + "attn_gate.weight", lambda: get(d + "in_proj_qkvz.weight")[z_rows])
-        put(b + "ssm_ba.weight", lambda: get(d + "in_proj_ba.weight"))
-        heads = np.arange(hv)
-    else:
-        # V heads from grouped (g * r + j) to tiled (j * hk + g) order: row t of the file is grouped head tiled_from[t].
-        heads = stored_to_grouped_heads(grouped_to_stored_heads(hk, hv))
-        v_rows = np.concatenate([np.arange(qk), qk + head_rows(heads, dv)])
-        put(b + "attn_qkv.weight", lambda: get(d + "in_proj_qkv.weight")[v_rows])
-        put(b + "attn_gate.weight", lambda: get(d + "in_proj_z.weight")[head_rows(heads, dv)])
-        put(b + "ssm_beta.weight", lambda: get(d + "in_proj_b.weight")[heads])
-        put(b + "ssm_alpha.weight", lambda: get(d + "in_proj_a.weight")[heads])
-    channels = np.concatenate([np.arange(qk), qk + head_rows(heads, dv)])
-    put(b + "ssm_conv1d.weight", lambda: get(d + "conv1d.weight")[channels, 0, :])
-    put(b + "ssm_a", lambda: -np.exp(get(d + "A_log"))[heads])
-    put(b + "ssm_dt.bias", lambda: get(d + "dt_bias")[heads])
-    put(b + "ssm_norm.weight", lambda: get(d + "norm.weight"))
-    put(b + "ssm_out.weight", lambda: get(d + "out_proj.weight")[:, head_rows(heads, dv)])

@@ -25,6 +25,7 @@ from urllib.parse import quote
 import httpx
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from engine.checkpoint.gguf_names import gguf_config
 from engine.checkpoint.safetensors import (
     SafetensorsCheckpoint,
     TensorInfo,
@@ -91,7 +92,7 @@ def _local_gguf(first: Path, source: str) -> CheckpointHeaders:
             found, meta = parse_gguf_header(_FileStream(handle, str(path)), str(path), path.stat().st_size)
         tensors.update(found)
         metadata = metadata or meta  # the first file of a split carries the model's keys
-    config = gguf_text_config(metadata, tensors, str(first))
+    config = gguf_config(metadata, _shapes(tensors), str(first))
     return CheckpointHeaders(source, "gguf", config, tensors, tuple(map(str, paths)), sum(p.stat().st_size for p in paths))
 
 
@@ -239,6 +240,10 @@ def _place_tensors(entries, data_start: int, size: int, alignment: int, source: 
     return tensors
 
 
+def _shapes(tensors: dict[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
+    return {name: info.shape for name, info in tensors.items()}
+
+
 def _ggml_size(name: str, dims: tuple[int, ...], ggml_type: int, room: int, source: str) -> tuple[str, int]:
     try:
         kind = GGMLQuantizationType(ggml_type)
@@ -248,57 +253,6 @@ def _ggml_size(name: str, dims: tuple[int, ...], ggml_type: int, room: int, sour
     if dims and dims[0] % block:
         raise CheckpointError(source, f"tensor {name}: rows of {dims[0]} are not whole {kind.name} blocks of {block}; the file is corrupt")
     return kind.name, math.prod(dims) // block * block_bytes
-
-
-# llama.cpp's GGUF keys for the Qwen3.5 family -> config.json names (REFERENCE.md section 2).
-GGUF_MODEL_TYPES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_next"}
-GGUF_REQUIRED = {
-    "hidden_size": "embedding_length",
-    "num_attention_heads": "attention.head_count",
-    "num_key_value_heads": "attention.head_count_kv",
-    "linear_conv_kernel_dim": "ssm.conv_kernel",
-    "linear_key_head_dim": "ssm.state_size",
-    "linear_num_key_heads": "ssm.group_count",
-    "linear_num_value_heads": "ssm.time_step_rank",
-}
-GGUF_OPTIONAL = {
-    "head_dim": "attention.key_length",
-    "intermediate_size": "feed_forward_length",
-    "full_attention_interval": "full_attention_interval",
-    "rope_theta": "rope.freq_base",
-    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
-    "max_position_embeddings": "context_length",
-    "num_experts": "expert_count",
-    "num_experts_per_tok": "expert_used_count",
-    "moe_intermediate_size": "expert_feed_forward_length",
-    "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
-    "mtp_num_hidden_layers": "nextn_predict_layers",
-}
-
-
-def gguf_text_config(metadata: dict, tensors: dict[str, TensorInfo], source: str) -> ModelConfig:
-    """A ModelConfig from llama.cpp's keys. block_count counts the MTP (nextn) blocks too."""
-    arch = metadata.get("general.architecture")
-    if arch not in GGUF_MODEL_TYPES:
-        raise CheckpointError(source, f"GGUF architecture {arch!r} is not one duet runs ({', '.join(GGUF_MODEL_TYPES)})")
-
-    def key(name: str):
-        value = metadata.get(f"{arch}.{name}")
-        return max(value) if isinstance(value, list) and value else value  # per-layer arrays: the widest
-
-    missing = [f"{arch}.{k}" for k in ["block_count", *GGUF_REQUIRED.values()] if key(k) is None]
-    if missing or "token_embd.weight" not in tensors:
-        raise CheckpointError(source, f"GGUF metadata lacks {', '.join(missing) or 'token_embd.weight'}; not a complete {arch} file")
-    raw = {hf: key(gg) for hf, gg in {**GGUF_REQUIRED, **GGUF_OPTIONAL}.items() if key(gg) is not None}
-    raw["model_type"] = GGUF_MODEL_TYPES[arch]
-    raw["num_hidden_layers"] = key("block_count") - raw.get("mtp_num_hidden_layers", 0)
-    raw["vocab_size"] = tensors["token_embd.weight"].shape[0]
-    raw["linear_value_head_dim"] = (key("ssm.inner_size") or 0) // raw["linear_num_value_heads"]
-    head_dim = raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
-    if key("rope.dimension_count"):
-        raw["partial_rotary_factor"] = key("rope.dimension_count") / head_dim
-    raw["tie_word_embeddings"] = "output.weight" not in tensors
-    return ModelConfig.from_dict(raw, source)
 
 
 # --- the hub ----------------------------------------------------------------------------------------
@@ -375,7 +329,7 @@ def _remote_gguf(hub: Hub, spec: str, first: str, files: set[str]) -> Checkpoint
         tensors.update(found)
         metadata = metadata or meta
         total += stream.size
-    config = gguf_text_config(metadata, tensors, hub.where(first))
+    config = gguf_config(metadata, _shapes(tensors), hub.where(first))
     return CheckpointHeaders(spec, "gguf", config, tensors, tuple(hub.where(n) for n in names), total)
 
 

@@ -98,3 +98,12 @@ def test_int4_scales_that_do_not_match_the_weights_are_one_line_exit_2(source, t
     capsys.readouterr()
     one_line_exit_2(["--headless", "hi", "--raw", "--model", str(folder)], capsys,
                     "model.layers.0.mlp.up_proj.weight_scale", "scales do not match the weights")
+
+
+def test_a_qwen3_next_with_dense_layers_is_refused_for_gguf(tmp_path, capsys):
+    """llama.cpp's qwen3next has experts in every layer; a model with mlp_only_layers cannot be one."""
+    source = save_reference(build_reference("qwen3_next", **DIMS), tmp_path / "src")
+    capsys.readouterr()
+    one_line_exit_2(["convert", str(source), str(tmp_path / "model.gguf"), "--format", "gguf-q8_0"], capsys,
+                    "mlp_only_layers", "--format int4")
+    assert not (tmp_path / "model.gguf").exists()
