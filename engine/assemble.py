@@ -11,7 +11,7 @@ import numpy as np
 
 from engine.backend.cpu_ops import CPU
 from engine.config import FULL_ATTENTION, ModelConfig
-from engine.heads import RescoredHead, ShortlistHead, shortlist_ids
+from engine.heads import RescoredHead, shortlist_ids
 from engine.model import MLP, Attention, DecoderLayer, DeltaNet, Model, MoE, MTPHead
 from engine.weights import ModelWeights, row_runs, take_rows
 
@@ -38,7 +38,8 @@ def assemble(weights: ModelWeights, route: str, host_tables: bool = False, ops=C
             layer=_layer(c, get, "mtp.layers.0.", FULL_ATTENTION, c.is_moe),
             norm=get.norm("mtp.norm.weight"),
         )
-    return Model(c, ops.embedding(weights("embed_tokens.weight")), layers, get.norm("norm.weight"), lm_head, mtp,
+    embed = ops.embedding(weights("embed_tokens.weight"), lm_head if c.tie_word_embeddings else None)
+    return Model(c, embed, layers, get.norm("norm.weight"), lm_head, mtp,
                  draft_head, ops)
 
 
@@ -82,16 +83,18 @@ def _heads(c: ModelConfig, get: Linears, host_tables: bool):
     """The output head, and the draft head over the vocabulary shortlist (None: drafts rank all of it)."""
     key = HEAD_KEY[c.tie_word_embeddings]
     ids = shortlist_ids(c.vocab_size, c.eos_token_ids)
-    if host_tables:
-        head = RescoredHead(get(key))
-        return head, None if ids is None else ShortlistHead(head.draft_rows(ids), ids, c.vocab_size)
-    head = get.linear(key)
+    ops = get.ops
+    rescored = RescoredHead(get(key)) if host_tables else None
+    head = get.linear(key) if rescored is None else ops.host_head(rescored)
     if ids is None:
         return head, None
-    block = np.count_nonzero(ids == np.arange(len(ids)))  # the leading ids 0..block-1, then the stop tokens
-    parts = [get.part(key, rows=slice(0, block))] + ([get.part(key, rows=ids[block:])] if block < len(ids) else [])
-    linears = [get.stack([part]) for part in parts]
-    return head, ShortlistHead(linears[0] if len(linears) == 1 else get.ops.concat_outputs(linears), ids, c.vocab_size)
+    if rescored is not None:  # drafting reads the int4 copy's rows, as on the card
+        parts = [ops.shortlist_part(head, rescored.ranking.weight, ids, "w4a16")]
+    else:  # the leading ids 0..block-1 (a view of a float head's rows), then the stop tokens
+        block = np.count_nonzero(ids == np.arange(len(ids)))
+        row_sets = [slice(0, block)] + ([ids[block:]] if block < len(ids) else [])
+        parts = [ops.shortlist_part(head, get(key), rows, get.route) for rows in row_sets]
+    return head, ops.shortlist_head(parts[0] if len(parts) == 1 else ops.concat_outputs(parts), ids, c.vocab_size)
 
 
 def _layer(c: ModelConfig, get: Linears, p: str, kind: str, moe: bool) -> DecoderLayer:

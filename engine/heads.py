@@ -75,7 +75,3 @@ class RescoredHead:
         for t, ids in enumerate(best):
             logits[t, ids] = self.weight[ids] @ hidden[t]  # only the candidates' bf16 rows are read
         return logits
-
-    def draft_rows(self, ids: np.ndarray) -> W4A16Linear:
-        """The int4 copy's rows of the draft shortlist: drafting reads int4 rows, as on the card."""
-        return W4A16Linear(self.ranking.weight.take_rows(ids))

@@ -48,13 +48,15 @@ class LoadedModel:
         """Run the next forward pass on another route of the same weights, without reading files again.
 
         Between the two quantized routes only the Linear wrappers change; the `bf16` route of a
-        quantized checkpoint dequantizes every matrix to fp32 (memory x8 of the packed form).
+        quantized checkpoint dequantizes every matrix to fp32 (memory x8 of the packed form). The
+        op set frees the old route's weights first where it must (the GPU: the card never holds both).
         """
         if route == self.route:
             return
         if route not in self.routes or self.weights is None:
             raise DuetError(f"{self.name} cannot run the {route} route; it runs {' or '.join(self.routes)}")
-        self.model.take_weights(assemble(self.weights, route, self.host_tables))
+        self.model.ops.free_weights(self.model)
+        self.model.take_weights(assemble(self.weights, route, self.host_tables, self.model.ops))
         self.route = route
 
 
@@ -78,7 +80,7 @@ def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None
         weights = read_weights(opened.checkpoint, opened.config, report, opened.quantized, host_tables)
     finally:
         opened.checkpoint.close()
-    model = on_backend(assemble(weights, chosen, host_tables), chosen_backend, opened.location)
+    model = assemble_on(weights, chosen, host_tables, chosen_backend, opened.location)
     return LoadedModel(opened.name, opened.location, opened.config, model,
                        opened.tokenizer, route=chosen, routes=opened.routes,
                        weights=weights if len(opened.routes) > 1 else None, host_tables=host_tables)
@@ -101,19 +103,18 @@ def choose_backend(config: ModelConfig, source: Path, requested: str | None = No
     return "cpu" if problem else name
 
 
-def on_backend(model: Model, backend: str, source: Path):
-    """The CPU model, or the same weights on the GPU (engine/backend/cupy_model.py, imported only here).
+def assemble_on(weights: ModelWeights, route: str, host_tables: bool, backend: str, source: Path) -> Model:
+    """The Model on the CPU op set, or on the GPU's (engine/backend/cupy_model.py, imported only here).
     A weight our GPU kernels do not take keeps the model on the CPU, unless the GPU was forced."""
-    if backend == "cpu":
-        return model
-    from engine.backend.cupy_model import GpuModel
+    if backend == "cupy":
+        from engine.backend.cupy_model import GpuOps
 
-    try:
-        return GpuModel(model)
-    except ValueError as error:
-        if os.environ.get(BACKEND_ENV) == "cupy":
-            raise DuetError(f"{source}: {error}; unset {BACKEND_ENV} to run on the CPU") from None
-        return model
+        try:
+            return assemble(weights, route, host_tables, GpuOps(weights.config))
+        except ValueError as error:
+            if os.environ.get(BACKEND_ENV) == "cupy":
+                raise DuetError(f"{source}: {error}; unset {BACKEND_ENV} to run on the CPU") from None
+    return assemble(weights, route, host_tables)
 
 
 def check_model(path: str | Path) -> ModelConfig:

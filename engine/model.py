@@ -172,6 +172,7 @@ class Model:
             raise ValueError("take_weights needs a Model of the same checkpoint")
         self.embed, self.layers, self.norm = other.embed, other.layers, other.norm
         self.lm_head, self.mtp, self.draft_head = other.lm_head, other.mtp, other.draft_head
+        self.ops.weights_taken()
 
     def new_state(self, kv: str = KVCache.BF16):
         """Fresh per-sequence state; kv "q4" keeps attention keys/values in the 4-bit cache."""

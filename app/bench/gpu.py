@@ -87,7 +87,7 @@ def gemv_table(shapes=SHAPES, rows=ROWS, routes=ROUTES, repeats: int = 20) -> di
     import cupy as cp
 
     from engine.backend import cpu
-    from engine.backend.cupy_model import gpu_linear
+    from engine.backend import cupy_backend as gb
 
     copy = copy_bandwidth()
     rng = np.random.default_rng(0)
@@ -96,7 +96,7 @@ def gemv_table(shapes=SHAPES, rows=ROWS, routes=ROUTES, repeats: int = 20) -> di
         weight = random_w4(N, K, rng)
         copies = max(1, -(-ROTATION_BYTES // weight.nbytes))
         for route in routes:
-            linears = [gpu_linear(cpu.make_linear(weight, route)) for _ in range(copies)]
+            linears = [cpu.make_linear(weight, route, gb) for _ in range(copies)]
             for T in rows:
                 x = cp.asarray(rng.standard_normal((T, K)).astype(np.float32))
                 turn = iter(range(1 << 62))
@@ -185,35 +185,35 @@ def cycle_bill(c, rows: int) -> int:
 
 
 def random_device_model(c, route: str, seed: int = 0):
-    """A CPU-structured Model (engine.model) of random INT4 weights already on the device: the W4
-    matrices as CuPy arrays in W4Weight, wrapped in the route's CPU Linear, which GpuModel turns into
-    its GPU Linear without a copy. Both routes share the matrices of one call to `random_device_weights`."""
+    """A Model (engine.model) on the GPU op set of random INT4 weights already on the device: the W4
+    matrices as CuPy arrays in W4Weight, which the route's GPU Linear takes without a copy. Both
+    routes share the matrices of one call to `random_device_weights`."""
     from engine import model as m
-    from engine.backend import cpu
+    from engine.backend.cupy_model import GpuOps
 
-    linear = cpu.W4A16Linear if route == Route.W4A16 else cpu.W4A8Linear
+    ops = GpuOps(c)
+    linear = lambda weight: ops.linear(weight, route)  # noqa: E731
     w, rng = random_device_weights(c, seed), np.random.default_rng(seed)
-    ones = lambda n: np.ones(n, np.float32)  # noqa: E731  zero-centred norms hold 1 + w
+    ones = lambda n: ops.vector(np.ones(n, np.float32))  # noqa: E731  zero-centred norms hold 1 + w
 
     def layer(i: int, kind: str) -> m.DecoderLayer:
         p = f"model.layers.{i}."
         if kind == "full_attention":
             a = p + "self_attn."
             mixer = m.Attention(*(linear(w[a + n]) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                ones(c.head_dim), ones(c.head_dim), c)
+                                ones(c.head_dim), ones(c.head_dim), c, ops)
         else:
             d, hv = p + "linear_attn.", c.linear_num_value_heads
-            small = lambda: cpu.DenseLinear(rng.standard_normal((hv, c.hidden_size)).astype(np.float32) * 0.01)  # noqa: E731
-            in_proj = cpu.ConcatOutputs([linear(w[d + "in_proj_qkv"]), linear(w[d + "in_proj_z"]), small(), small()])
-            mixer = m.DeltaNet(in_proj,
-                               rng.standard_normal((w[d + "in_proj_qkv"].shape[0], c.linear_conv_kernel_dim)).astype(np.float32),
-                               -np.exp(rng.uniform(0, 2.5, hv)).astype(np.float32), ones(hv), ones(c.linear_value_head_dim),
-                               linear(w[d + "out_proj"]), c)
-        ffn = m.MLP(linear(w[p + "mlp.gate_up"]), linear(w[p + "mlp.down"]))
-        return m.DecoderLayer(mixer, ffn, ones(c.hidden_size), ones(c.hidden_size), c.rms_norm_eps)
+            small = lambda: linear(rng.standard_normal((hv, c.hidden_size)).astype(np.float32) * 0.01)  # noqa: E731
+            in_proj = ops.concat_outputs([linear(w[d + "in_proj_qkv"]), linear(w[d + "in_proj_z"]), small(), small()])
+            conv = rng.standard_normal((w[d + "in_proj_qkv"].shape[0], c.linear_conv_kernel_dim)).astype(np.float32)
+            mixer = m.DeltaNet(in_proj, ops.vector(conv), ops.vector(-np.exp(rng.uniform(0, 2.5, hv))), ones(hv),
+                               ones(c.linear_value_head_dim), linear(w[d + "out_proj"]), c, ops)
+        ffn = m.MLP(linear(w[p + "mlp.gate_up"]), linear(w[p + "mlp.down"]), ops)
+        return m.DecoderLayer(mixer, ffn, ones(c.hidden_size), ones(c.hidden_size), c.rms_norm_eps, ops)
 
     layers = [layer(i, kind) for i, kind in enumerate(c.layer_types)]
-    return m.Model(c, w["embed"], layers, ones(c.hidden_size), linear(w["lm_head"]))
+    return m.Model(c, ops.embedding(w["embed"]), layers, ones(c.hidden_size), linear(w["lm_head"]), ops=ops)
 
 
 _device_weights: dict = {}
@@ -271,10 +271,8 @@ def layers_that_fit() -> int:
 
 def cycle_table(layers: int | None = None, rows=CYCLE_ROWS, routes=ROUTES, repeats: int = 10) -> dict:
     """{copy_bytes_per_s, layers, context, results: [{route, rows, bill_bytes, limit_s, uncaptured_s,
-    graph_s, of_limit, ring_ok}]}."""
+    graph_s, of_limit}]}."""
     import cupy as cp
-
-    from engine.backend.cupy_model import GpuModel
 
     copy = copy_bandwidth()
     layers = layers or layers_that_fit()
@@ -282,34 +280,30 @@ def cycle_table(layers: int | None = None, rows=CYCLE_ROWS, routes=ROUTES, repea
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, c.vocab_size, CONTEXT)]
     results = []
     for route in routes:
-        model = GpuModel(random_device_model(c, route))
-        state = model.new_state()
+        model = random_device_model(c, route)
+        ops, state = model.ops, model.new_state()
         model.forward(state, prompt)
         for T in rows:
             tokens = prompt[:T]
 
             def uncaptured():
-                model.graphable = False
+                ops.graphable = False
                 model.forward(state, tokens)
                 state.keep(1)
 
             uncaptured_s = _median_seconds(uncaptured, repeats)
-            model.graphable = True
+            ops.graphable = True
             model.forward(state, tokens)  # captures this (T, attention grid) and replays it once
             state.keep(1)
-            graph = model.cycle_graph(state, T)
+            graph = ops.cycle_graph(model, state, T)
             if graph is None:
-                raise RuntimeError(f"the {route} cycle of {T} rows was not captured: {model.graph_error}")
+                raise RuntimeError(f"the {route} cycle of {T} rows was not captured: {ops.graph_error}")
             stream = cp.cuda.get_current_stream()
-            pushed = int(state.ring_count.get()[0])
             graph_s = _median_seconds(lambda: [graph.graph.launch(stream=stream) for _ in range(REPLAYS)], repeats) / REPLAYS
-            launches = 3 + repeats  # _median_seconds' warm-up calls and timed calls
-            ring_ok = int(state.ring_count.get()[0]) - pushed == launches * REPLAYS
             bill = cycle_bill(c, T)
             results.append({"route": route, "rows": T, "bill_bytes": bill, "limit_s": bill / copy,
-                            "uncaptured_s": uncaptured_s, "graph_s": graph_s, "of_limit": bill / copy / graph_s,
-                            "ring_ok": ring_ok})
-        model = state = graph = None  # free this route's weights and state before the next one
+                            "uncaptured_s": uncaptured_s, "graph_s": graph_s, "of_limit": bill / copy / graph_s})
+        model = ops = state = graph = None  # free this route's weights and state before the next one
         cp.get_default_memory_pool().free_all_blocks()
     return {"device": cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode(),
             "copy_bytes_per_s": copy, "layers": layers, "context": CONTEXT, "results": results}
@@ -322,11 +316,10 @@ def format_cycle_table(report: dict) -> str:
              f"~{LAYERS_27B / layers:.1f}x the decoder part)")
     lines = [f"{report['device']}: decode cycle of a random INT4 model of the 27B geometry, {scope}; context "
              f"{report['context']}, bf16 KV; limit = bill of bytes / copy {report['copy_bytes_per_s'] / 1e9:.0f} GB/s",
-             f"{'route':6} {'rows':>4} {'bill MB':>9} {'limit ms':>9} {'uncaptured ms':>14} {'graph ms':>9} {'of limit':>9} ring"]
+             f"{'route':6} {'rows':>4} {'bill MB':>9} {'limit ms':>9} {'uncaptured ms':>14} {'graph ms':>9} {'of limit':>9}"]
     for r in report["results"]:
         lines.append(f"{r['route']:6} {r['rows']:4d} {r['bill_bytes'] / 1e6:9.1f} {r['limit_s'] * 1e3:9.3f} "
-                     f"{r['uncaptured_s'] * 1e3:14.3f} {r['graph_s'] * 1e3:9.3f} {r['of_limit']:9.0%} "
-                     f"{'ok' if r['ring_ok'] else 'WRONG'}")
+                     f"{r['uncaptured_s'] * 1e3:14.3f} {r['graph_s'] * 1e3:9.3f} {r['of_limit']:9.0%}")
     return "\n".join(lines)
 
 

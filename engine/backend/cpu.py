@@ -5,6 +5,8 @@ Routes (DESIGN.md contracts): `bf16` DenseLinear, `w4a16` W4A16Linear, `w4a8` W4
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from engine.backend import MAX_ROWS
@@ -259,22 +261,25 @@ class PermutedInput(Linear):
         return self.linear(x[:, self.order])
 
 
-def make_linear(weight, route: str):
+def make_linear(weight, route: str, linears=None):
     """The route's Linear for a weight: fp32 arrays always run dense; quantized ones per route.
 
     `bf16` runs quantized weights dequantized to fp32 (exact values), which isolates weight error
     from activation rounding. The loader has already refused routes a checkpoint cannot run.
+    `linears`: the module whose Linear classes are made, this one by default; the GPU's
+    (engine/backend/cupy_backend.py) has the same classes over the same stored weights.
     """
+    kinds = linears or sys.modules[__name__]
     if isinstance(weight, InputOrder):
-        return PermutedInput(make_linear(weight.weight, route), weight.order)
+        return kinds.PermutedInput(make_linear(weight.weight, route, linears), weight.order)
     if isinstance(weight, np.ndarray):
-        return DenseLinear(weight)
+        return kinds.DenseLinear(weight)
     if route == "bf16":
-        return DenseLinear(weight.dequantize())
+        return kinds.DenseLinear(weight.dequantize())
     if route == "w4a16" and isinstance(weight, W4Weight):
-        return W4A16Linear(weight)
+        return kinds.W4A16Linear(weight)
     if route == "w4a8" and isinstance(weight, TrellisWeight):
-        return TrellisLinear(weight)
+        return kinds.TrellisLinear(weight)
     if route == "w4a8":
-        return W4A8Linear(weight)
+        return kinds.W4A8Linear(weight)
     raise ValueError(f"route {route} cannot run {type(weight).__name__}")

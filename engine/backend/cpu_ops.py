@@ -18,6 +18,8 @@ import numpy as np
 from engine.backend import MAX_ROWS, cpu
 from engine.backend.threads import in_parallel, one_blas_thread
 from engine.cache import DeltaNetState, KVCache, Q4KVCache, SequenceState
+from engine.heads import ShortlistHead
+from engine.weights import take_rows
 
 # DeltaNet prefill chunk length. transformers' torch_chunk_gated_delta_rule uses 64; with numpy on
 # the CPU 32 runs the rule 20% faster (128 tokens x 8 heads, one thread: 7.4 -> 5.9 ms; 512 tokens:
@@ -265,9 +267,31 @@ class CpuOps:
     def vector(self, values: np.ndarray) -> np.ndarray:
         return values
 
-    def embedding(self, table):
-        """The token table as stored: fp32 rows, or GGUF blocks dequantized row by row on lookup."""
+    def embedding(self, table, tied_head=None):
+        """The token table as stored: fp32 rows, or GGUF blocks dequantized row by row on lookup.
+        tied_head: the output head when it is the same matrix (the GPU reuses its rows)."""
         return table
+
+    def host_head(self, head):
+        """A head that runs on the host (engine.heads.RescoredHead)."""
+        return head
+
+    def shortlist_part(self, head, matrix, rows: np.ndarray | slice, route: str):
+        """A Linear over some rows of the output head's stored matrix (a view where rows is a slice
+        of a float matrix); head is the head assembled from it."""
+        return self.linear(take_rows(matrix, rows), route)
+
+    def shortlist_head(self, linear, ids: np.ndarray, vocab: int) -> ShortlistHead:
+        return ShortlistHead(linear, ids, vocab)
+
+    # ---- a route switch (engine.loader.LoadedModel.use_route)
+
+    def free_weights(self, model) -> None:
+        """Before the other route's weights are assembled; host memory holds both, as it holds the
+        stored tensors anyway."""
+
+    def weights_taken(self) -> None:
+        """After Model.take_weights."""
 
     # ---- states
 

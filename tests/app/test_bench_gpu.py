@@ -40,9 +40,9 @@ def test_cycle_bill_is_the_seeds_27b_pass_plus_context_and_snapshots():
 
 def test_cycle_table_says_how_much_of_the_model_ran():
     result = {"route": "w4a16", "rows": 4, "bill_bytes": 3.4e9, "limit_s": 1e-3, "uncaptured_s": 5e-3,
-              "graph_s": 1.25e-3, "of_limit": 0.8, "ring_ok": True}
+              "graph_s": 1.25e-3, "of_limit": 0.8}
     report = {"device": "GPU", "copy_bytes_per_s": 3.4e12, "layers": 16, "context": 512, "results": [result]}
     lines = bench_gpu.format_cycle_table(report).splitlines()
     assert "16 of its 64 layers" in lines[0] and "copy 3400 GB/s" in lines[0]
-    assert lines[2].split() == ["w4a16", "4", "3400.0", "1.000", "5.000", "1.250", "80%", "ok"]
+    assert lines[2].split() == ["w4a16", "4", "3400.0", "1.000", "5.000", "1.250", "80%"]
     assert "all 64 layers" in bench_gpu.format_cycle_table({**report, "layers": 64}).splitlines()[0]

@@ -2,7 +2,7 @@
 fixture): a GPU, where there is one (elsewhere those cases are skipped with the reason; the kernels
 are still compile-checked in test_kernels_compile.py), and the simulated device (simulated_device.py),
 where the backend's Python runs over numpy twins of the kernels on every machine: it proves the
-orchestration (buffers, capture and replay, rollback, the ring, the route switch), not the CUDA code.
+orchestration (buffers, capture and replay, rollback, the route switch), not the CUDA code.
 The backend choice's refusal without a GPU runs here too.
 
 The models are the shipped demo model (trained, so its next-token distributions are peaked: a
@@ -27,7 +27,7 @@ from simulated_device import cupy_fixture
 
 from engine import DuetError, GenerateOptions, SamplingParams, Switches, Tokens, generate, load_model
 from engine.backend import select
-from engine.backend.cupy_model import GpuModel
+from engine.backend.cupy_model import CycleGraph, GpuOps
 from engine.tokenizer import Tokenizer
 
 cp = cupy_fixture()
@@ -46,7 +46,7 @@ def load(path, route: str, backend: str, monkeypatch, **options):
     monkeypatch.setenv("DUET_BACKEND", backend)
     lm = load_model(path, route=route, **options)
     monkeypatch.delenv("DUET_BACKEND")
-    assert isinstance(lm.model, GpuModel) == (backend == "cupy")
+    assert isinstance(lm.model.ops, GpuOps) == (backend == "cupy")
     return lm
 
 
@@ -137,39 +137,37 @@ def test_switching_route_and_rule_mid_reply_on_the_gpu(models, prompt, monkeypat
     got, stats = greedy_tokens(lm, prompt, kv, "mtp", switch_at=12, to=flip)
     assert got == want
     assert stats["routes"] == ["w4a16", "w4a8"] and stats["rules"] == ["exact", "lossy"]
-    assert lm.model is model and model.version == 1 and model.graph_error is None
+    assert lm.model is model and model.ops.version == 1 and model.ops.graph_error is None
 
 
+@pytest.mark.usefixtures("cp")
 @pytest.mark.parametrize("kv", ["bf16", "q4"])
 @pytest.mark.parametrize("route", ["w4a16", "w4a8"])
-def test_captured_cycle_equals_the_uncaptured_one(cp, models, prompt, monkeypatch, route, kv):
+def test_captured_cycle_equals_the_uncaptured_one(models, prompt, monkeypatch, route, kv):
     """Verify passes of 1 and 4 rows with rollbacks, run uncaptured on one state and as graph replays
-    on another: the same logits, the same ids in the output ring, the same state after keep()."""
+    on another: the same logits, and the same state after keep()."""
     model = load(models["demo_int4"], route, "cupy", monkeypatch).model
+    ops = model.ops
     plain, captured = model.new_state(kv), model.new_state(kv)
-    model.graphable = False  # the 10-token prefix is a short call too: uncaptured, so the ring holds the cycles only
     model.forward(plain, prompt[:10])
     model.forward(captured, prompt[:10])
-    ids = []
+    replays = []
+    replay = CycleGraph.replay
+    monkeypatch.setattr(CycleGraph, "replay", lambda graph: replays.append(graph) or replay(graph))
     for cycle in range(8):
         T = 1 if cycle % 2 else 4
         rows = prompt[10 + cycle:10 + cycle + T]
-        model.graphable = False
+        ops.graphable = False
         want = model.logits(model.forward(plain, rows))
-        model.graphable = True
+        ops.graphable = True
         got = model.logits(model.forward(captured, rows))
-        assert model.graph_error is None and captured.graphs, "the cycle was not captured"
+        assert ops.graph_error is None and len(replays) == cycle + 1, "the cycle was not a replay"
         np.testing.assert_allclose(got, want, rtol=CAPTURE_RTOL, atol=CAPTURE_RTOL * np.abs(want).max())
         assert np.array_equal(got.argmax(axis=-1), want.argmax(axis=-1))
-        ids.append(got.argmax(axis=-1))
         kept = 1 + cycle % len(rows)
         plain.keep(kept)
         captured.keep(kept)
         assert plain.length == captured.length
-    ring, count = cp.asnumpy(captured.ring), int(cp.asnumpy(captured.ring_count)[0])
-    assert count == len(ids)  # every cycle was a replay
-    for cycle, row in enumerate(ids):
-        assert np.array_equal(ring[cycle][: len(row)], row) and np.all(ring[cycle][len(row):] == -1)
 
 
 def test_forcing_the_gpu_without_one_is_one_line(tiny_model, monkeypatch):
