@@ -31,7 +31,6 @@ KERNELS = {
     "attention": tuple(f"attention_partial_{kind}_hd{hd}" for hd in (64, 128, 256) for kind in ("bf16", "q4", "exact"))
                  + ("attention_combine", "kv_append_bf16", "kv_append_q4"),
     "norms": ("rms_norm", "gated_rms_norm", "l2_norm_heads", "qk_norm_rope", "silu_mul", "attention_gate"),
-    "sampling": ("argmax_rows", "topk_chunks", "topk_merge", "rescore_candidates", "pick_rescored", "ring_push"),
 }
 SOURCES = tuple(KERNELS)
 ARCHES = ("sm_86", "sm_90")  # RTX 3090 (the product's card) and H100/H200

@@ -825,79 +825,6 @@ def kv_append_q4(grid, block, a):
         take(scales, kv, capacity, HD // 32)[:, positions] = row_scales.view(np.uint16).transpose(1, 0, 2)
 
 
-# sampling: a (value, index) pair ranks as one u64 key, larger value first, then lower index (sampling.cu rank_key)
-
-def rank_keys(values: np.ndarray, index: np.ndarray) -> np.ndarray:
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    ordered = np.where(bits & 0x80000000, ~bits, bits | np.uint32(0x80000000)).astype(np.uint64)
-    return (ordered << np.uint64(32)) | (~index.astype(np.uint32)).astype(np.uint64)
-
-
-def key_index(keys: np.ndarray) -> np.ndarray:
-    return (~(keys & np.uint64(0xFFFFFFFF)).astype(np.uint32)).astype(np.int32)
-
-
-def key_value(keys: np.ndarray) -> np.ndarray:
-    ordered = (keys >> np.uint64(32)).astype(np.uint32)
-    return np.where(ordered & 0x80000000, ordered & np.uint32(0x7FFFFFFF), ~ordered).view(np.float32)
-
-
-def largest(keys: np.ndarray, k: int) -> np.ndarray:
-    """The k largest keys of each row, largest first; key 0 where a row has fewer than k."""
-    best = np.sort(keys, axis=-1)[..., ::-1][..., :k]
-    return np.pad(best, [(0, 0)] * (best.ndim - 1) + [(0, k - best.shape[-1])])
-
-
-def argmax_rows(grid, block, a):
-    R, V = grid[0], int(a.V)
-    a.out[:R] = take(a.x, R, V).argmax(axis=-1)
-
-
-def topk_chunks(grid, block, a):
-    chunks, R, V, k = grid[0], grid[1], int(a.V), int(a.k)
-    width = constant("sampling", "TOPK_CHUNK")
-    n = min(V, chunks * width)
-    x, candidates = take(a.x, R, V), take(a.candidates, R, chunks, k)
-    for r in range(R):
-        keys = np.zeros(chunks * width, np.uint64)
-        keys[:n] = rank_keys(x[r, :n], np.arange(n))
-        candidates[r] = largest(keys.reshape(chunks, width), k)
-
-
-def topk_merge(grid, block, a):
-    R, n, k = grid[0], int(a.n), int(a.k)
-    best = largest(take(a.candidates, R, n), k)
-    take(a.index, R, k)[...] = np.where(best != 0, key_index(best), -1)
-    take(a.value, R, k)[...] = np.where(best != 0, key_value(best), -np.inf)
-
-
-def rescore_candidates(grid, block, a):
-    T, H, k = grid[1], int(a.H), int(a.k)
-    if H % 256:
-        raise ValueError("rescore_candidates: eight weights a lane, so H % 256 == 0")
-    count = min(k, threads(grid, block) // 32)  # a warp per candidate
-    ids = take(a.candidates, T, k)[:, :count]
-    head = a.head[: a.head.size // H * H].reshape(-1, H)
-    logits = np.einsum("tch,th->tc", bf16_to_f32(head[np.maximum(ids, 0)]), take(a.hidden, T, H))
-    take(a.logits, T, k)[:, :count] = np.where(ids >= 0, logits, -np.inf)
-
-
-def pick_rescored(grid, block, a):
-    T, k = grid[0], int(a.k)
-    ids = take(a.candidates, T, k)
-    keys = np.where(ids >= 0, rank_keys(take(a.logits, T, k), ids), np.uint64(0))
-    a.out[:T] = key_index(keys.max(axis=-1))
-
-
-def ring_push(grid, block, a):
-    width, n, slots = block[0], int(a.n), int(a.slots)  # the ring's width is the block's
-    count = a.count[0]
-    row = take(a.ring, slots, width)[int(count % np.uint64(slots))]
-    row[:] = -1
-    row[:min(n, width)] = a.ids[:min(n, width)]
-    a.count[0] = count + np.uint64(1)
-
-
 TWINS = {
     "w4a16_gemm_t8": w4a16_gemm(1), "w4a16_gemm_t16": w4a16_gemm(2), "reduce_splits": reduce_splits,
     "f32_to_bf16_bits": f32_to_bf16_bits_twin,
@@ -909,6 +836,4 @@ TWINS = {
     "attention_combine": attention_combine, "kv_append_bf16": kv_append_bf16, "kv_append_q4": kv_append_q4,
     "rms_norm": rms_norm, "gated_rms_norm": gated_rms_norm, "l2_norm_heads": l2_norm_heads, "qk_norm_rope": qk_norm_rope,
     "silu_mul": silu_mul, "attention_gate": attention_gate,
-    "argmax_rows": argmax_rows, "topk_chunks": topk_chunks, "topk_merge": topk_merge,
-    "rescore_candidates": rescore_candidates, "pick_rescored": pick_rescored, "ring_push": ring_push,
 }

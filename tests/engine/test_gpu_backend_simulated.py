@@ -72,22 +72,30 @@ def test_a_kernel_computes_only_what_its_grid_covers(cp):
 
 
 def test_a_capture_records_and_each_replay_reads_the_buffers_as_they_are(cp):
-    ring, count, ids = cp.full((4, 3), -1, cp.int32), cp.zeros(1, cp.uint64), cp.asarray(np.array([7, 8], np.int32))
-    gb.ring_push(ids, ring, count)  # uncaptured: runs now (and loads the kernel)
+    gate_up, out = cp.asarray(np.array([[1, 2, 3, 4]], np.float32)), cp.zeros((1, 2), cp.float32)
+
+    def silu_mul():  # [1, 4] (gate | up) -> out [1, 2]
+        build.kernel("norms", "silu_mul")((1,), (256,), (gate_up, out, np.int32(2), np.int64(2)))
+
+    def want(values):
+        gate, up = np.float32(values[:2]), np.float32(values[2:])
+        return gate / (1 + np.exp(-gate)) * up
+
+    silu_mul()  # uncaptured: runs now (and loads the kernel)
+    gate_up.set(np.array([[5, 6, 7, 8]], np.float32))
     stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
     with cp.cuda.using_allocator(pool.malloc), stream:
         stream.begin_capture()
-        gb.ring_push(ids, ring, count)
-        doubled = ids + ids
+        silu_mul()
+        doubled = gate_up + gate_up
         graph = stream.end_capture()
-    assert count.get()[0] == 1 and ring.get()[1].tolist() == [-1, -1, -1]  # recorded, not run
-    assert doubled.get().tolist() == [np.iinfo(np.int32).max] * 2  # nothing written yet
-    for step, tokens in enumerate(([5, 6], [1, 2])):
-        ids.set(np.array(tokens, np.int32))
+    np.testing.assert_allclose(out.get()[0], want([1, 2, 3, 4]))  # recorded, not run
+    assert np.all(np.isnan(doubled.get()))  # nothing written yet
+    for values in ([1, 1, 2, 2], [0, 3, 1, 5]):
+        gate_up.set(np.array([values], np.float32))
         graph.launch(stream=cp.cuda.get_current_stream())
-        assert ring.get()[1 + step].tolist() == [*tokens, -1] and count.get()[0] == 2 + step
-        assert doubled.get().tolist() == [2 * t for t in tokens]
-    assert ring.get()[0].tolist() == [7, 8, -1]
+        np.testing.assert_allclose(out.get()[0], want(values))
+        assert doubled.get()[0].tolist() == [2 * v for v in values]
 
 
 REFUSED = {
