@@ -3,26 +3,35 @@
     int4          compressed-tensors `pack-quantized`: symmetric INT4, group 128, round to nearest,
                   the W4 layout (engine/quant/w4.py). Kept 16-bit as real INT4 checkpoints keep them:
                   embeddings, lm_head, DeltaNet in_proj_a/b, routers, shared-expert gates, and any
-                  matrix whose input size is not a multiple of 128 (listed in `ignore`).
+                  matrix whose input size is not a multiple of 128 (listed in `ignore`, and named in
+                  what convert prints). A model none of whose matrices fit is refused.
     gguf-f32, gguf-f16, gguf-bf16, gguf-q8_0, gguf-q4_0
                   GGUF as llama.cpp's convert_hf_to_gguf.py writes the architecture (qwen35,
-                  qwen35moe, qwen3next), tokenizer and chat template included. Matrices take the
-                  type; vectors, conv taps and router gates stay f32, as the converter keeps them.
+                  qwen35moe, qwen3next), tokenizer and chat template included; which tensor goes where
+                  is engine/checkpoint/gguf_names.py's table. Matrices take the type; vectors, conv
+                  taps and router gates stay f32, as the converter keeps them.
 
     trellis-2, trellis-3, trellis-4
                   duet's trellis files (engine/checkpoint/trellis_files.py): the matrices INT4 would
                   code, when N % 16 == 0 too, Hadamard-rotated and trellis-coded at 2, 3 or 4 bits
-                  per weight (engine/quant/trellis.py); the rest kept as they are.
+                  per weight (engine/quant/trellis.py); the rest kept as they are, named and refused
+                  as for int4.
 
 Natural routes: int4 -> w4a16 (also w4a8); gguf-q8_0 / gguf-q4_0 / trellis-K -> w4a8; float files -> bf16.
-DST is a new folder (int4) or a .gguf path; nothing existing is overwritten.
+DST is a new folder (int4, trellis) or a new .gguf path. Everything is checked before a byte is
+written, and the output is written beside DST and renamed into place when complete: DST is whole or
+absent, and nothing existing is overwritten.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -53,49 +62,124 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def add_convert_command(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", metavar="SRC", help="HF model folder (config.json, safetensors, tokenizer)")
-    parser.add_argument("dst", metavar="DST", help="new folder (int4) or new .gguf file")
+    parser.add_argument("dst", metavar="DST", help="new folder (int4, trellis) or new .gguf file")
     parser.add_argument("--format", required=True, choices=FORMATS, help="what to write")
     parser.set_defaults(run=run_convert)
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    src, dst = Path(args.src).expanduser(), Path(args.dst).expanduser()
+    src, dst, fmt = Path(args.src).expanduser(), Path(args.dst).expanduser(), args.format
     if not src.is_dir():
         raise DuetError(f"{src}: no such model folder; pass SRC as a folder holding config.json")
     if dst.exists():
         raise DuetError(f"{dst}: already exists; pass DST as a new path (nothing is overwritten)")
+    if fmt in GGUF_TYPES and dst.suffix != ".gguf":
+        raise DuetError(f"{dst}: a GGUF output needs a .gguf file name")
     config = ModelConfig.from_file(src / "config.json")
     ckpt = SafetensorsCheckpoint(src)
-    plan = TensorPlan(ckpt, config)  # checks every tensor the model needs before anything is written
-    if args.format == INT4:
-        count = write_int4(src, dst, ckpt, plan)
-        print(f"wrote {dst}: {count} matrices INT4 (compressed-tensors pack-quantized, group {GROUP})")
-    elif args.format in TRELLIS_RATES:
-        count = write_trellis(src, dst, ckpt, plan, TRELLIS_RATES[args.format])
-        print(f"wrote {dst}: {count} matrices trellis-coded at {TRELLIS_RATES[args.format]} bits per weight")
-    else:
-        if dst.suffix != ".gguf":
-            raise DuetError(f"{dst}: a GGUF output needs a .gguf file name")
-        count = write_gguf(src, dst, config, ckpt, plan, gguf_architecture(src, config), GGUF_TYPES[args.format])
-        print(f"wrote {dst}: {count} tensors, {GGUF_TYPES[args.format]} matrices")
-    ckpt.close()
+    try:
+        plan = TensorPlan(ckpt, config)  # checks every tensor the model needs before anything is written
+        if fmt in GGUF_TYPES:
+            print(convert_to_gguf(src, dst, fmt, config, ckpt, plan))
+        else:
+            print(convert_to_coded(src, dst, fmt, ckpt, plan))
+    finally:
+        ckpt.close()
     return 0
 
 
+def convert_to_gguf(src: Path, dst: Path, fmt: str, config: ModelConfig, ckpt: SafetensorsCheckpoint,
+                    plan: TensorPlan) -> str:
+    arch = gguf_architecture(src, config)
+    vocabulary = read_gguf_vocabulary(src, config)
+    with staged(dst) as out:
+        count = write_gguf(src, out, config, ckpt, plan, arch, vocabulary, GGUF_TYPES[fmt])
+    return f"wrote {dst}: {count} tensors, {GGUF_TYPES[fmt]} matrices"
+
+
+def convert_to_coded(src: Path, dst: Path, fmt: str, ckpt: SafetensorsCheckpoint, plan: TensorPlan) -> str:
+    """int4 or trellis-K; what is said names the matrices left unquantized because of their sizes."""
+    unfit = matrices_that_do_not_fit(src, plan, fmt, trellis.TILE_ROWS if fmt in TRELLIS_RATES else 1)
+    with staged(dst) as out:
+        if fmt == INT4:
+            count = write_int4(src, out, ckpt, plan)
+        else:
+            count = write_trellis(src, out, ckpt, plan, TRELLIS_RATES[fmt])
+    coding = (f"INT4 (compressed-tensors pack-quantized, group {GROUP})" if fmt == INT4
+              else f"trellis-coded at {TRELLIS_RATES[fmt]} bits per weight")
+    summary = f"wrote {dst}: {count} matrices {coding}"
+    if unfit:
+        summary += f"\nnot quantized, their sizes do not fit {fmt}: " + ", ".join(f"{m} ({why})" for m, why in unfit.items())
+    return summary
+
+
+@contextmanager
+def staged(dst: Path) -> Iterator[Path]:
+    """A path beside dst to write the output to, renamed to dst once it is complete and removed if
+    writing fails, so that DST is never half-written."""
+    partial = dst.with_name(f".{dst.name}.partial")
+    remove(partial)  # left by a run that was killed
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        yield partial
+        if dst.exists():
+            raise DuetError(f"{dst}: appeared while converting; nothing was overwritten, pass another DST")
+        partial.rename(dst)
+    except OSError as error:
+        raise DuetError(f"{dst}: converting failed ({error.strerror or error}); nothing was written there, "
+                        "free some space or pass another DST") from None
+    finally:
+        remove(partial)
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
 # --------------------------------------------------------------------------------------------
-# INT4 safetensors (compressed-tensors pack-quantized)
+# INT4 safetensors (compressed-tensors pack-quantized) and trellis files
 
 
-def quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    return (len(shape) == 2 and name.endswith(".weight") and shape[1] % GROUP == 0
-            and not name[: -len(".weight")].endswith(KEPT_16BIT))
+def why_kept(name: str, shape: tuple[int, ...], tile_rows: int = 1) -> str | None:
+    """None if an INT4 or trellis file codes this tensor; else why it stays as it is ('' for the
+    tensors every such file keeps: vectors, embeddings, head, gate inputs, routers)."""
+    if len(shape) != 2 or not name.endswith(".weight") or name[: -len(".weight")].endswith(KEPT_16BIT):
+        return ""
+    if shape[1] % GROUP:
+        return f"{shape[1]} inputs, not a multiple of {GROUP}"
+    if shape[0] % tile_rows:
+        return f"{shape[0]} outputs, not a multiple of {tile_rows}"
+    return None
+
+
+def matrices_that_do_not_fit(src: Path, plan: TensorPlan, fmt: str, tile_rows: int) -> dict[str, str]:
+    """From the headers, before anything is read: the modules the format would code but whose sizes do
+    not fit its groups (layer and expert numbers as *), with why. Refuses a model it would not code at all."""
+    def shape_only(name: str) -> np.ndarray:  # a read-free stand-in of the tensor: one zero broadcast
+        return np.broadcast_to(np.float32(0), plan.expected[name])
+
+    unfit, coded = {}, 0
+    for name, matrix in per_expert_matrices(shape_only, plan):
+        why = why_kept(name, matrix.shape, tile_rows)
+        coded += why is None
+        if why:
+            unfit.setdefault(re.sub(r"\.\d+\.", ".*.", name[: -len(".weight")]), why)
+    if not coded:
+        reasons = "; ".join(sorted(set(unfit.values()))) or "it has no matrix but the ones always kept"
+        raise DuetError(f"{src}: {fmt} would code none of this model's matrices ({reasons}); "
+                        "convert with --format gguf-q8_0 (blocks of 32) or gguf-f16 instead")
+    return unfit
 
 
 def write_int4(src: Path, dst: Path, ckpt: SafetensorsCheckpoint, plan: TensorPlan) -> int:
     tensors: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
     ignore, count = [], 0
     for name, matrix in per_expert_matrices(ckpt.read_f32, plan):
-        if matrix.ndim == 2 and quantizable(name, matrix.shape):
+        why = why_kept(name, matrix.shape)
+        if why is None:
             module, w4 = name[: -len(".weight")], quantize_rtn(matrix)
             tensors[module + ".weight_packed"] = ("I32", w4.packed.shape, w4.packed.tobytes())
             tensors[module + ".weight_scale"] = ("BF16", w4.scales.shape, w4.scales.tobytes())
@@ -122,7 +206,7 @@ def write_trellis(src: Path, dst: Path, ckpt: SafetensorsCheckpoint, plan: Tenso
     tensors: dict[str, tuple[str, tuple[int, ...], bytes]] = {}
     count = 0
     for name, matrix in per_expert_matrices(ckpt.read_f32, plan):
-        if matrix.ndim == 2 and quantizable(name, matrix.shape) and matrix.shape[0] % trellis.TILE_ROWS == 0:
+        if why_kept(name, matrix.shape, trellis.TILE_ROWS) is None:
             module = name[: -len(".weight")]
             coded = trellis.quantize_matrix(matrix, k, TRELLIS_SEED, trellis.STEPS[k])
             tensors[module + ".trellis_codes"] = ("U8", coded.packed.shape, coded.packed.tobytes())
@@ -217,7 +301,7 @@ def gguf_architecture(src: Path, config: ModelConfig) -> str:
 
 
 def write_gguf(src: Path, dst: Path, config: ModelConfig, ckpt: SafetensorsCheckpoint, plan: TensorPlan, arch: str,
-               qtype_name: str) -> int:
+               vocabulary: GGUFVocabulary, qtype_name: str) -> int:
     """The header (keys and tensor infos, from the name table's shapes), then the data one tensor at a
     time, so memory holds one converted tensor, never the model."""
     import gguf
@@ -226,7 +310,7 @@ def write_gguf(src: Path, dst: Path, config: ModelConfig, ckpt: SafetensorsCheck
     tensors = gguf_tensors(config, arch, plan.has_mtp)
     writer = gguf.GGUFWriter(str(dst), arch)
     write_gguf_metadata(writer, config, arch, src.name, qtype, plan.has_mtp)
-    write_gguf_tokenizer(writer, src, config)
+    vocabulary.write(writer)
     for tensor in tensors:
         kind = gguf_type(tensor, qtype)
         if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
@@ -347,19 +431,56 @@ def _full_attention_interval(c: ModelConfig) -> int:
     return full[0] + 1 if full else c.num_hidden_layers + 1
 
 
-def write_gguf_tokenizer(writer, src: Path, config: ModelConfig) -> None:
+@dataclass(frozen=True)
+class GGUFVocabulary:
     """tokenizer.ggml.*: gpt2-style BPE tokens padded to the vocabulary, types, merges, ids, template."""
+
+    tokens: list[str]
+    types: list[int]
+    merges: list[str]
+    pre: str
+    eos_id: int | None
+    pad_id: int | None
+    bos_id: int | None
+    chat_template: str | None
+
+    def write(self, writer) -> None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(self.pre)
+        writer.add_token_list(self.tokens)
+        writer.add_token_types(self.types)
+        writer.add_token_merges(self.merges)
+        for token_id, add in ((self.eos_id, writer.add_eos_token_id), (self.pad_id, writer.add_pad_token_id),
+                              (self.bos_id, writer.add_bos_token_id)):
+            if token_id is not None:
+                add(token_id)
+        writer.add_add_bos_token(False)
+        if self.chat_template is not None:
+            writer.add_chat_template(self.chat_template)
+
+
+def read_gguf_vocabulary(src: Path, config: ModelConfig) -> GGUFVocabulary:
+    """The tokenizer a GGUF file carries, read and checked from SRC's tokenizer files."""
     from gguf import TokenType
 
     from engine.tokenizer import GGUF_PRE_SPLITS, Tokenizer
 
-    data = json.loads((src / "tokenizer.json").read_text(encoding="utf-8"))
+    path = src / "tokenizer.json"
+    if not path.is_file():
+        raise DuetError(f"{src}: has no tokenizer.json, and a GGUF file carries the tokenizer; copy tokenizer.json "
+                        "and tokenizer_config.json from the original model into it, or convert with --format int4")
+    tokenizer = Tokenizer.from_dir(src, extra_eos_ids=config.eos_token_ids)  # refuses a malformed file in one line
+    data = json.loads(path.read_text(encoding="utf-8"))
     model = data.get("model", {})
     if model.get("type") != "BPE":
-        raise DuetError(f"{src / 'tokenizer.json'}: a {model.get('type')} tokenizer; GGUF conversion takes byte-level BPE")
+        raise DuetError(f"{path}: a {model.get('type')} tokenizer; GGUF conversion takes byte-level BPE")
     vocab: dict[str, int] = dict(model["vocab"])
     added = {t["content"]: t for t in data.get("added_tokens", [])}
     vocab.update({content: token["id"] for content, token in added.items()})
+    beyond = max(vocab.values(), default=0)
+    if beyond >= config.vocab_size:
+        raise DuetError(f"{path}: has token id {beyond}, past the model's vocab_size {config.vocab_size}; "
+                        "the tokenizer is not this model's")
     tokens = [f"[PAD{i}]" for i in range(config.vocab_size)]
     types = [TokenType.UNUSED] * config.vocab_size
     for token, i in vocab.items():
@@ -367,19 +488,13 @@ def write_gguf_tokenizer(writer, src: Path, config: ModelConfig) -> None:
         types[i] = (TokenType.CONTROL if added[token].get("special") else TokenType.USER_DEFINED) if token in added \
             else TokenType.NORMAL
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    tokenizer = Tokenizer.from_dir(src, extra_eos_ids=config.eos_token_ids)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer_name(data.get("pre_tokenizer"), src, GGUF_PRE_SPLITS))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    for token, add in ((tokenizer.eos_token, writer.add_eos_token_id), (tokenizer.pad_token, writer.add_pad_token_id),
-                       (tokenizer.bos_token, writer.add_bos_token_id)):
-        if token is not None:
-            add(vocab[token])
-    writer.add_add_bos_token(False)
-    if tokenizer.chat_template is not None:
-        writer.add_chat_template(tokenizer.chat_template)
+
+    def token_id(token: str | None) -> int | None:
+        return None if token is None else vocab[token]
+
+    return GGUFVocabulary(tokens, types, merges, pre_tokenizer_name(data.get("pre_tokenizer"), src, GGUF_PRE_SPLITS),
+                          token_id(tokenizer.eos_token), token_id(tokenizer.pad_token), token_id(tokenizer.bos_token),
+                          tokenizer.chat_template)
 
 
 def pre_tokenizer_name(pre: dict | None, src: Path, splits: dict[str, str | None]) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
 
 import gguf
 import numpy as np
@@ -59,7 +62,64 @@ def test_gguf_file_is_what_llamacpp_reads_and_loads_back(source, tmp_path, fmt, 
 
 def test_convert_refuses_an_existing_destination(source, tmp_path, capsys):
     (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
     one_line_exit_2(["convert", str(source), str(tmp_path / "taken"), "--format", "int4"], capsys, "already exists")
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
+
+
+def test_gguf_from_a_folder_without_tokenizer_json_is_one_line_exit_2(source, tmp_path, capsys):
+    """A GGUF file carries its tokenizer: say which folder lacks it and what to do, and write nothing."""
+    bare = tmp_path / "bare"
+    shutil.copytree(source, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    out = tmp_path / "out"
+    out.mkdir()
+    one_line_exit_2(["convert", str(bare), str(out / "model.gguf"), "--format", "gguf-q8_0"], capsys,
+                    str(bare), "tokenizer.json", "--format int4")
+    assert list(out.iterdir()) == []
+
+
+def test_a_failed_write_leaves_nothing_at_dst(source, tmp_path, capsys, monkeypatch):
+    """The disk fills up halfway through: one line, and neither DST nor a partial file is left."""
+    import app.convert
+
+    def disk_full(path, tensors, metadata):
+        path.write_bytes(b"half a file")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(app.convert, "write_safetensors", disk_full)
+    one_line_exit_2(["convert", str(source), str(tmp_path / "int4"), "--format", "int4"], capsys,
+                    str(tmp_path / "int4"), os.strerror(errno.ENOSPC), "nothing was written")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory):
+    """Every matrix takes 64 or 96 inputs: none is a whole number of INT4's 128-groups."""
+    return save_reference(build_reference("qwen3_5_text", seed=4, head_dim=16), tmp_path_factory.mktemp("narrow") / "src")
+
+
+@pytest.mark.parametrize("fmt", ["int4", "trellis-4"])
+def test_a_model_no_matrix_of_which_fits_is_refused_with_what_to_use(narrow, tmp_path, capsys, fmt):
+    one_line_exit_2(["convert", str(narrow), str(tmp_path / "out"), "--format", fmt], capsys,
+                    str(narrow), f"{fmt} would code none", "64 inputs, not a multiple of 128", "gguf-q8_0")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_int4_names_the_matrices_it_leaves_16_bit_and_why(tmp_path, capsys):
+    """The tiny model's o_proj takes 128 inputs; the other matrices take 64 or 96."""
+    source = save_reference(build_reference("qwen3_5_text", seed=4), tmp_path / "src")
+    capsys.readouterr()
+    assert main(["convert", str(source), str(tmp_path / "int4"), "--format", "int4"]) == 0
+    wrote, kept = capsys.readouterr().out.splitlines()
+    assert wrote.startswith(f"wrote {tmp_path / 'int4'}: 1 matrices INT4")
+    assert kept.startswith("not quantized, their sizes do not fit int4: ")
+    for module in ("model.layers.*.mlp.down_proj (96 inputs, not a multiple of 128)",
+                   "model.layers.*.linear_attn.out_proj (64 inputs, not a multiple of 128)",
+                   "model.layers.*.self_attn.q_proj (64 inputs, not a multiple of 128)"):
+        assert module in kept
+    assert "o_proj" not in kept and "embed_tokens" not in kept
+    ignore = json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]["ignore"]
+    assert "model.layers.0.mlp.down_proj" in ignore and "model.layers.3.self_attn.o_proj" not in ignore
 
 
 def test_truncated_gguf_is_one_line_exit_2(source, tmp_path, capsys):
