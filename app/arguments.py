@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Iterable
 from enum import StrEnum
 
-from engine import KVCache
+from duet.engine import KVCache
 
 RUNNABLE_KV = tuple(kv for kv in KVCache if kv.runs)
 # What to say, instead of "invalid choice", to a KV cache word a command does not take.

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
-from app.settings import bundled_demo_model
-from engine.checkpoint.headers import read_headers
-from engine.errors import DuetError
-from engine.loader import check_model
+from duet.app.settings import bundled_demo_model
+from duet.engine.checkpoint.headers import read_headers
+from duet.engine.errors import DuetError
+from duet.engine.loader import check_model
 
 STAGING = ".staging"  # downloads and imports in progress; never listed as models
 FORMATS = ("bf16", "int4", "gguf", "trellis")
@@ -47,7 +47,7 @@ class LocalModel:
 
 
 def catalog_path() -> Path:
-    return Path(str(files("models") / "catalog.toml"))
+    return Path(str(files("duet.models") / "catalog.toml"))
 
 
 def load_catalog(path: Path | None = None) -> list[CatalogEntry]:

@@ -16,12 +16,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from app.arguments import PLANNING_ONLY_KV, RENAMED_KV, RUNNABLE_KV, choice
-from app.bench import BENCHMARKS, add_bench_commands
-from app.catalog import find_local
-from app.session import EngineChoices, Launch
-from app.settings import Config, Paths, bundled_demo_model, load_config, user_paths
-from engine import Accept, Draft, DuetError, KVCache, Route
+from duet.app.arguments import PLANNING_ONLY_KV, RENAMED_KV, RUNNABLE_KV, choice
+from duet.app.bench import BENCHMARKS, add_bench_commands
+from duet.app.catalog import find_local
+from duet.app.session import EngineChoices, Launch
+from duet.app.settings import Config, Paths, bundled_demo_model, load_config, user_paths
+from duet.engine import Accept, Draft, DuetError, KVCache, Route
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -57,7 +57,7 @@ def _run_main(argv: list[str]) -> int:
         return print_paths()
     if args.headless is None:
         return _run_chat(args, parser)
-    from app.headless import run_headless
+    from duet.app.headless import run_headless
 
     return run_headless(args, engine_choices(args))
 
@@ -68,7 +68,7 @@ def _run_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if given:
         flag = "--" + given[0].replace("_", "-")
         raise DuetError(f"{flag} applies to --headless; in the chat UI set replies up with ctrl+s")
-    from app.ui.app import run_ui
+    from duet.app.ui.app import run_ui
 
     paths = user_paths()
     config = load_config(paths.config_file)
@@ -82,11 +82,11 @@ def _run_subcommand(argv: list[str]) -> int:
     bench = commands.add_parser("bench", help="benchmarks that print ratios measured side by side")
     add_bench_commands(bench)
     models = commands.add_parser("models", help="the model catalog, downloads and models on disk")
-    from app.models_cli import add_models_commands
+    from duet.app.models_cli import add_models_commands
 
     add_models_commands(models)
     convert = commands.add_parser("convert", help="convert a HF checkpoint to INT4 safetensors or GGUF")
-    from app.convert import add_convert_command
+    from duet.app.convert import add_convert_command
 
     add_convert_command(convert)
     args = parser.parse_args(argv)

@@ -36,14 +36,14 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.checkpoint.gguf_names import GGUF_ARCHITECTURE, gguf_tensors
-from engine.checkpoint.hf import TensorPlan, split_qwen3_next_projections
-from engine.checkpoint.safetensors import SafetensorsCheckpoint
-from engine.config import FULL_ATTENTION, ModelConfig
-from engine.errors import DuetError
-from engine.checkpoint.trellis_files import trellis_metadata
-from engine.quant import trellis
-from engine.quant.w4 import GROUP, quantize_rtn
+from duet.engine.checkpoint.gguf_names import GGUF_ARCHITECTURE, gguf_tensors
+from duet.engine.checkpoint.hf import TensorPlan, split_qwen3_next_projections
+from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
+from duet.engine.config import FULL_ATTENTION, ModelConfig
+from duet.engine.errors import DuetError
+from duet.engine.checkpoint.trellis_files import trellis_metadata
+from duet.engine.quant import trellis
+from duet.engine.quant.w4 import GROUP, quantize_rtn
 
 INT4 = "int4"
 GGUF_TYPES = {"gguf-f32": "F32", "gguf-f16": "F16", "gguf-bf16": "BF16", "gguf-q8_0": "Q8_0", "gguf-q4_0": "Q4_0"}
@@ -463,7 +463,7 @@ def read_gguf_vocabulary(src: Path, config: ModelConfig) -> GGUFVocabulary:
     """The tokenizer a GGUF file carries, read and checked from SRC's tokenizer files."""
     from gguf import TokenType
 
-    from engine.tokenizer import GGUF_PRE_SPLITS, Tokenizer
+    from duet.engine.tokenizer import GGUF_PRE_SPLITS, Tokenizer
 
     path = src / "tokenizer.json"
     if not path.is_file():

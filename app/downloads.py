@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from app.catalog import LocalModel, folder_name, folder_size, hf_cache_dir, new_staging_dir
-from engine.errors import DuetError
+from duet.app.catalog import LocalModel, folder_name, folder_size, hf_cache_dir, new_staging_dir
+from duet.engine.errors import DuetError
 
 MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.md", "*.gguf", "*.model", "*.py")
 REPORT_SECONDS = 0.1

@@ -6,8 +6,8 @@ import json
 import re
 from pathlib import Path
 
-from app.store import Conversation, Message, Store
-from engine import DuetError
+from duet.app.store import Conversation, Message, Store
+from duet.engine import DuetError
 
 SLUG_CHARS = 40
 

@@ -6,9 +6,9 @@ import argparse
 import json
 import sys
 
-from app.session import EngineChoices, reply_options
-from app.settings import bundled_demo_model
-from engine import Finished, LoadProgress, Tokens, generate, load_model
+from duet.app.session import EngineChoices, reply_options
+from duet.app.settings import bundled_demo_model
+from duet.engine import Finished, LoadProgress, Tokens, generate, load_model
 
 EXIT_INTERRUPTED = 130
 

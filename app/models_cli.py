@@ -8,15 +8,15 @@ import sys
 import threading
 from pathlib import Path
 
-from app.catalog import (
+from duet.app.catalog import (
     clear_stale_staging, delete_model, find_in_catalog, find_local, human_size, import_model, load_catalog, local_models,
 )
-from app.arguments import RENAMED_KV, choice
-from app.downloads import DownloadProgress, download_model, remote_model
-from app.models_info import info_json, info_lines, plan_model
-from app.settings import user_paths
-from engine import DuetError, KVCache
-from engine.placement import DEFAULT_ETA, RTX_3090, Card, GiB, detect_card
+from duet.app.arguments import RENAMED_KV, choice
+from duet.app.downloads import DownloadProgress, download_model, remote_model
+from duet.app.models_info import info_json, info_lines, plan_model
+from duet.app.settings import user_paths
+from duet.engine import DuetError, KVCache
+from duet.engine.placement import DEFAULT_ETA, RTX_3090, Card, GiB, detect_card
 
 EXIT_INTERRUPTED = 130
 

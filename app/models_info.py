@@ -11,10 +11,10 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from engine import KVCache
-from engine.checkpoint.headers import CheckpointHeaders, read_headers
-from engine.heads import RESCORE_CANDIDATES, SHORTLIST_ROWS
-from engine.placement import (
+from duet.engine import KVCache
+from duet.engine.checkpoint.headers import CheckpointHeaders, read_headers
+from duet.engine.heads import RESCORE_CANDIDATES, SHORTLIST_ROWS
+from duet.engine.placement import (
     DEFAULT_ETA, EXPERTS, KV_TYPES, RTX_3090, Assessment, Card, Plan, Settings, GB, GiB, assess, attention_layers,
     describe_format, detect_card,
 )

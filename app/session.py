@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from app.settings import FRESH_SEED
-from app.store import Conversation, Message, Store
-from engine import (
+from duet.app.settings import FRESH_SEED
+from duet.app.store import Conversation, Message, Store
+from duet.engine import (
     Accept, Draft, DuetError, Finished, GenerateOptions, KVCache, LoadedModel, LoadProgress, Route, SamplingParams,
     Stats, Switches, Tokens, generate, load_model,
 )

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import platformdirs
 
-from engine.errors import DuetError
+from duet.engine.errors import DuetError
 
 APP_NAME = "duet"
 FRESH_SEED = -1  # the config's seed for a fresh seed each reply (TOML has no null)
@@ -25,7 +25,7 @@ KINDS = {int: "a whole number", float: "a number", str: "a string", bool: "true 
 
 def bundled_demo_model() -> Path:
     """The small trained model that ships inside the package (models/demo)."""
-    return Path(str(files("models") / "demo"))
+    return Path(str(files("duet.models") / "demo"))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import DuetError
+from duet.engine.errors import DuetError
 
 SCHEMA_VERSION = 1
 SCHEMA = """

@@ -6,11 +6,11 @@
         ...
 """
 
-from engine.choices import Accept, Draft, KVCache, Route
-from engine.errors import CheckpointError, DuetError
-from engine.generate import Cycle, Finished, GenerateOptions, Stats, Switches, Tokens, generate
-from engine.loader import LoadedModel, LoadProgress, load_model
-from engine.sampling import SamplingParams
+from duet.engine.choices import Accept, Draft, KVCache, Route
+from duet.engine.errors import CheckpointError, DuetError
+from duet.engine.generate import Cycle, Finished, GenerateOptions, Stats, Switches, Tokens, generate
+from duet.engine.loader import LoadedModel, LoadProgress, load_model
+from duet.engine.sampling import SamplingParams
 
 __all__ = [
     "Accept",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.backend import MAX_ROWS
+from duet.engine.backend import MAX_ROWS
 
 
 class KVCache:

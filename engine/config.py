@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import CheckpointError
+from duet.engine.errors import CheckpointError
 
 DENSE_TYPES = {"qwen3_5", "qwen3_5_text"}
 MOE_TYPES = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}

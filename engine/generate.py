@@ -14,11 +14,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from engine.choices import KVCache
-from engine.errors import DuetError
-from engine.loader import LoadedModel
-from engine.sampling import Sampler, SamplingParams, process_rows
-from engine.speculative import EXACT, Depth, accept, check_rule, make_drafter
+from duet.engine.choices import KVCache
+from duet.engine.errors import DuetError
+from duet.engine.loader import LoadedModel
+from duet.engine.sampling import Sampler, SamplingParams, process_rows
+from duet.engine.speculative import EXACT, Depth, accept, check_rule, make_drafter
 
 
 @dataclass(frozen=True)

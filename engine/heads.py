@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.backend.cpu import W4A16Linear
-from engine.quant.w4 import quantize_rtn
+from duet.engine.backend.cpu import W4A16Linear
+from duet.engine.quant.w4 import quantize_rtn
 
 SHORTLIST_ROWS = 65_536  # rows of the draft head (the seed's 65,536-row draft vocabulary)
 RESCORE_CANDIDATES = 64  # int4-ranked candidates per row rescored with bf16 rows (the seed: 16 to 64)

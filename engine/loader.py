@@ -10,18 +10,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.assemble import assemble
-from engine.backend.select import backend_name, gpu_geometry_problem
-from engine.checkpoint.gguf import GGUFCheckpoint, find_gguf
-from engine.checkpoint.hf import TensorPlan, read_weights
-from engine.checkpoint.quantized import read_quantization
-from engine.checkpoint.trellis_files import read_trellis
-from engine.checkpoint.safetensors import SafetensorsCheckpoint
-from engine.config import ModelConfig
-from engine.errors import CheckpointError, DuetError
-from engine.model import Model
-from engine.tokenizer import Tokenizer
-from engine.weights import ModelWeights
+from duet.engine.assemble import assemble
+from duet.engine.backend.select import backend_name, gpu_geometry_problem
+from duet.engine.checkpoint.gguf import GGUFCheckpoint, find_gguf
+from duet.engine.checkpoint.hf import TensorPlan, read_weights
+from duet.engine.checkpoint.quantized import read_quantization
+from duet.engine.checkpoint.trellis_files import read_trellis
+from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
+from duet.engine.config import ModelConfig
+from duet.engine.errors import CheckpointError, DuetError
+from duet.engine.model import Model
+from duet.engine.tokenizer import Tokenizer
+from duet.engine.weights import ModelWeights
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def assemble_on(weights: ModelWeights, route: str, host_tables: bool, backend: s
     """The Model on the CPU op set, or on the GPU's (engine/backend/cupy_model.py, imported only here).
     A weight our GPU kernels do not take keeps the model on the CPU, unless the GPU was forced."""
     if backend == "cupy":
-        from engine.backend.cupy_model import GpuOps
+        from duet.engine.backend.cupy_model import GpuOps
 
         try:
             return assemble(weights, route, host_tables, GpuOps(weights.config))

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.backend import threads
-from engine.backend.cpu_ops import CPU, softmax
-from engine.choices import KVCache
-from engine.config import ModelConfig
+from duet.engine.backend import threads
+from duet.engine.backend.cpu_ops import CPU, softmax
+from duet.engine.choices import KVCache
+from duet.engine.config import ModelConfig
 
 # --------------------------------------------------------------------------------------------
 # Mixers

@@ -26,13 +26,13 @@ import math
 import re
 from dataclasses import dataclass
 
-from engine.backend import MAX_ROWS
-from engine.cache import Q4_GROUP, RECENT_ROWS, SINK_ROWS
-from engine.checkpoint.headers import CheckpointHeaders
-from engine.checkpoint.safetensors import TensorInfo
-from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
-from engine.errors import CheckpointError
-from engine.heads import RESCORE_CANDIDATES, SHORTLIST_ROWS
+from duet.engine.backend import MAX_ROWS
+from duet.engine.cache import Q4_GROUP, RECENT_ROWS, SINK_ROWS
+from duet.engine.checkpoint.headers import CheckpointHeaders
+from duet.engine.checkpoint.safetensors import TensorInfo
+from duet.engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from duet.engine.errors import CheckpointError
+from duet.engine.heads import RESCORE_CANDIDATES, SHORTLIST_ROWS
 
 GB, GiB, MiB = 10**9, 1 << 30, 1 << 20
 

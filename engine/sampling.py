@@ -14,7 +14,7 @@ from numbers import Integral, Real
 
 import numpy as np
 
-from engine.errors import DuetError
+from duet.engine.errors import DuetError
 
 
 @dataclass(frozen=True)

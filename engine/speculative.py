@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.errors import DuetError
-from engine.model import Model
-from engine.sampling import Sampler, probabilities, process_logits
+from duet.engine.errors import DuetError
+from duet.engine.model import Model
+from duet.engine.sampling import Sampler, probabilities, process_logits
 
 EXACT, LOSSY = "exact", "lossy"
 DRAFTERS = ("auto", "mtp", "ngram", "none")

@@ -25,7 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as TokenizersBackend
 
-from engine.errors import CheckpointError, DuetError
+from duet.engine.errors import CheckpointError, DuetError
 
 # The named special tokens transformers hands every chat template (its `special_tokens_map`).
 NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

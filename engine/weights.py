@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.config import ModelConfig
-from engine.quant.gguf_blocks import BlockMatrix
-from engine.quant.trellis import TrellisWeight
-from engine.quant.w4 import W4Weight
+from duet.engine.config import ModelConfig
+from duet.engine.quant.gguf_blocks import BlockMatrix
+from duet.engine.quant.trellis import TrellisWeight
+from duet.engine.quant.w4 import W4Weight
 
 
 @dataclass(frozen=True)

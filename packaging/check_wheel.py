@@ -20,9 +20,10 @@ SHIPPED_SUFFIXES = {".py", ".toml", ".json", ".jinja", ".safetensors", ".md", ".
 
 
 def needed_files(source: Path) -> list[str]:
-    """Paths, as the wheel names them, of every file under the packages that must ship."""
+    """Paths, as the wheel names them (under the one import package, duet/), of every file under the
+    packages that must ship."""
     return sorted(
-        path.relative_to(source).as_posix()
+        "duet/" + path.relative_to(source).as_posix()
         for package in PACKAGES
         for path in (source / package).rglob("*")
         if path.is_file() and path.suffix in SHIPPED_SUFFIXES and "__pycache__" not in path.parts
@@ -35,7 +36,8 @@ def check_wheel(wheel: Path, source: Path) -> list[str]:
     with zipfile.ZipFile(wheel) as archive:
         shipped = set(archive.namelist())
     missing = [f"missing: {name}" for name in needed_files(source) if name not in shipped]
-    stray = [f"should not ship: {name}" for name in sorted(shipped) if name.startswith(("tests/", *NOT_SHIPPED))]
+    stray = [f"should not ship: {name}" for name in sorted(shipped)
+             if name.startswith(("tests/", *(f"duet/{path}" for path in NOT_SHIPPED))) or name.split("/")[0] in PACKAGES]
     return missing + stray
 
 

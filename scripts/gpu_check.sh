@@ -44,5 +44,5 @@ echo "== compile check (sm_86, sm_90) and GPU tests"
     tests/engine/test_gpu_model.py tests/app/test_bench_gpu.py
 
 echo "== W4 GEMV bandwidth and the decode cycle, both routes (tests took ${SECONDS}s)"
-"$PY" -m app.cli bench gpu --repeats 10
+"$PY" -m duet.app.cli bench gpu --repeats 10
 echo "== done in ${SECONDS}s"

@@ -23,11 +23,11 @@ def imported_modules(path: Path, modules: frozenset[str] = frozenset()) -> set[s
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
+            names.update(alias.name.removeprefix("duet.") for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
-                sub = f"{node.module}.{alias.name}"
-                names.add(sub if sub in modules else node.module)
+                sub = f"{node.module}.{alias.name}".removeprefix("duet.")
+                names.add(sub if sub in modules else node.module.removeprefix("duet."))
     return names
 
 
@@ -42,6 +42,17 @@ def graph() -> dict[str, set[str]]:
 def test_the_graph_sees_our_modules(graph):
     assert {"engine.model", "engine.loader", "engine.checkpoint.hf", "app.session"} <= graph.keys()
     assert "engine.checkpoint.hf" in graph["engine.loader"]  # a known edge: the reader finds real imports
+
+
+def test_every_import_of_ours_goes_through_the_duet_package():
+    """The wheel installs app/, engine/ and models/ as duet.app, duet.engine and duet.models only."""
+    for package in (*PACKAGES, "tests"):
+        for path in (ROOT / package).rglob("*.py"):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+            names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and n.level == 0]
+            bare = [n for n in names if n.split(".")[0] in ("app", "engine", "models")]
+            assert not bare, f"{path.relative_to(ROOT)} imports {bare}; write duet.{bare[0]}"
 
 
 def test_checkpoint_readers_only_read(graph):

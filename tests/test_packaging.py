@@ -62,8 +62,8 @@ def test_wheel_carries_runtime_files(wheel):
 
 
 def test_venv_imports_its_own_copy(venv, tmp_path):
-    code = ("import sys, app.cli, engine, models; from app.settings import bundled_demo_model; "
-            "print(app.cli.__file__, engine.__file__, models.__file__, bundled_demo_model(), sep='\\n'); "
+    code = ("import sys, duet.app.cli, duet.engine, duet.models; from duet.app.settings import bundled_demo_model; "
+            "print(duet.app.cli.__file__, duet.engine.__file__, duet.models.__file__, bundled_demo_model(), sep='\\n'); "
             "print(*sys.meta_path, sep='\\n')")
     lines = run_ok(venv / "bin" / "python", "-c", code, cwd=tmp_path).stdout.splitlines()
     paths, finders = lines[:4], lines[4:]
@@ -81,3 +81,10 @@ def test_headless_from_the_installed_script(venv, tiny_model_dir, tmp_path):
 def test_headless_with_the_bundled_demo_model(venv, tmp_path):
     done = run_ok(venv / "bin" / "duet", "--headless", "In the beginning", "--max-tokens", "8", cwd=tmp_path)
     assert done.stdout.strip()
+
+
+def test_the_wheel_installs_one_import_package(venv, tmp_path):
+    """duet's code is duet.app, duet.engine and duet.models: the names app, engine and models, which
+    other projects may use, stay free."""
+    code = "import importlib.util as u; print([n for n in ('duet', 'app', 'engine', 'models') if u.find_spec(n)])"
+    assert run_ok(venv / "bin" / "python", "-c", code, cwd=tmp_path).stdout.strip() == "['duet']"

@@ -8,8 +8,8 @@ import re
 import shlex
 from pathlib import Path
 
-from app.cli import main
-from app.settings import Config
+from duet.app.cli import main
+from duet.app.settings import Config
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

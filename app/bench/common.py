@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.config import FULL_ATTENTION, ModelConfig
-from engine.errors import DuetError
-from engine.model import Model
+from duet.engine.config import FULL_ATTENTION, ModelConfig
+from duet.engine.errors import DuetError
+from duet.engine.model import Model
 
 PROMPT_SEED = 0
 WARMUP_PROMPT_TOKENS = 8

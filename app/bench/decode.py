@@ -12,14 +12,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from app.bench.common import (
+from duet.app.bench.common import (
     WARMUP_PROMPT_TOKENS, Engine, Run, blas_threads, geometry, ours_engine, positive_int, random_prompt,
     require_reference,
 )
-from engine.config import ModelConfig
-from engine.errors import DuetError
-from engine.loader import load_model
-from engine.model import Model
+from duet.engine.config import ModelConfig
+from duet.engine.errors import DuetError
+from duet.engine.loader import load_model
+from duet.engine.model import Model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,7 +27,7 @@ import json
 
 import numpy as np
 
-from engine import KVCache, Route
+from duet.engine import KVCache, Route
 
 HIDDEN, HEAD_DIM, Q_HEADS, KV_HEADS = 5120, 256, 24, 4
 DN_KEY_HEADS, DN_VALUE_HEADS, DN_DIM = 16, 48, 128
@@ -75,7 +75,7 @@ def _median_seconds(call, repeats: int) -> float:
 
 def random_w4(N: int, K: int, rng: np.random.Generator):
     """Random nibbles and bf16 scales in the W4 layout (the bytes are what is measured)."""
-    from engine.quant.w4 import W4Weight
+    from duet.engine.quant.w4 import W4Weight
 
     packed = rng.integers(0, 1 << 32, (N, K // 8), dtype=np.uint32)
     scales = np.full((N, K // 128), 0x3C00, np.uint16)  # bf16 2^-7
@@ -86,8 +86,8 @@ def gemv_table(shapes=SHAPES, rows=ROWS, routes=ROUTES, repeats: int = 20) -> di
     """{copy_bytes_per_s, rows, results: [{name, N, K, weight_bytes, route, rows, bytes_per_s, of_copy}]}."""
     import cupy as cp
 
-    from engine.backend import cpu
-    from engine.backend import cupy_backend as gb
+    from duet.engine.backend import cpu
+    from duet.engine.backend import cupy_backend as gb
 
     copy = copy_bandwidth()
     rng = np.random.default_rng(0)
@@ -135,7 +135,7 @@ REPLAYS = 10  # graph launches per timed call, back to back as consecutive cycle
 
 def geometry_27b(layers: int):
     """ModelConfig of the 27B geometry with `layers` layers (every 4th full attention)."""
-    from engine.config import ModelConfig
+    from duet.engine.config import ModelConfig
 
     types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
     return ModelConfig.from_dict(dict(
@@ -174,9 +174,9 @@ def tensor_shapes(c) -> dict[str, tuple[int, ...]]:
 def cycle_bill(c, rows: int) -> int:
     """Bytes of one verify pass of `rows` rows at CONTEXT (engine.placement, from bf16 headers planned
     as the W4 repack): the pass, plus the state snapshots of the rows after the first."""
-    from engine.checkpoint.headers import CheckpointHeaders
-    from engine.checkpoint.safetensors import TensorInfo
-    from engine.placement import bill_of_bytes, weights_of
+    from duet.engine.checkpoint.headers import CheckpointHeaders
+    from duet.engine.checkpoint.safetensors import TensorInfo
+    from duet.engine.placement import bill_of_bytes, weights_of
 
     tensors = {name: TensorInfo(name, "BF16", shape, 0, 2 * int(np.prod(shape))) for name, shape in tensor_shapes(c).items()}
     headers = CheckpointHeaders("random INT4, 27B geometry", "safetensors", c, tensors, (), 0)
@@ -188,8 +188,8 @@ def random_device_model(c, route: str, seed: int = 0):
     """A Model (engine.model) on the GPU op set of random INT4 weights already on the device: the W4
     matrices as CuPy arrays in W4Weight, which the route's GPU Linear takes without a copy. Both
     routes share the matrices of one call to `random_device_weights`."""
-    from engine import model as m
-    from engine.backend.cupy_model import GpuOps
+    from duet.engine import model as m
+    from duet.engine.backend.cupy_model import GpuOps
 
     ops = GpuOps(c)
     linear = lambda weight: ops.linear(weight, route)  # noqa: E731
@@ -232,7 +232,7 @@ def random_device_weights(c, seed: int) -> dict:
 def _make_device_weights(c, seed: int) -> dict:
     import cupy as cp
 
-    from engine.quant.w4 import W4Weight
+    from duet.engine.quant.w4 import W4Weight
 
     cp.random.seed(seed)
 
@@ -260,7 +260,7 @@ def layers_that_fit() -> int:
     fp32 embedding, fill at most 70% of the free device memory."""
     import cupy as cp
 
-    from engine.placement import w4_bytes
+    from duet.engine.placement import w4_bytes
 
     free = cp.cuda.Device().mem_info[0]
     c = geometry_27b(4)
@@ -332,8 +332,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.backend.select import backend_name
-    from engine.errors import DuetError
+    from duet.engine.backend.select import backend_name
+    from duet.engine.errors import DuetError
 
     if backend_name("auto") != "cupy":
         raise DuetError("duet bench gpu needs an NVIDIA GPU and CuPy (pip install 'duet[gpu]')")

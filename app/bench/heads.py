@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from app.bench.common import GEOMETRIES, positive_int
-from engine.backend.cpu import DenseLinear
-from engine.heads import SHORTLIST_ROWS, RescoredHead, ShortlistHead, shortlist_ids
+from duet.app.bench.common import GEOMETRIES, positive_int
+from duet.engine.backend.cpu import DenseLinear
+from duet.engine.heads import SHORTLIST_ROWS, RescoredHead, ShortlistHead, shortlist_ids
 
 HEADS = ("full head", "draft shortlist", "host tables (int4 + rescoring)")
 

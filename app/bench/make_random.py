@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from app.bench.common import GEOMETRIES, positive_int, require_reference
-from engine.errors import DuetError
+from duet.app.bench.common import GEOMETRIES, positive_int, require_reference
+from duet.engine.errors import DuetError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,9 +8,9 @@ import json
 
 import numpy as np
 
-from app.bench.common import positive_int
-from engine.loader import load_model
-from engine.model import Model
+from duet.app.bench.common import positive_int
+from duet.engine.loader import load_model
+from duet.engine.model import Model
 
 QUALITY_TEXT = (
     "The lighthouse keeper climbed the spiral stairs each evening to light the lamp. Ships passing in the "

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from app.bench.common import (
+from duet.app.bench.common import (
     PROMPT_SEED, WARMUP_PROMPT_TOKENS, blas_threads, geometry, ours_engine, positive_int, random_prompt,
 )
-from engine.errors import DuetError
-from engine.loader import load_model, open_model
-from engine.model import Model
+from duet.engine.errors import DuetError
+from duet.engine.loader import load_model, open_model
+from duet.engine.model import Model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

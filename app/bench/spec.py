@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from engine import Accept, Draft, Finished, GenerateOptions, SamplingParams, generate, load_model
+from duet.engine import Accept, Draft, Finished, GenerateOptions, SamplingParams, generate, load_model
 
 PROSE = "Tell me of the sea, and of the ships that go down to it."
 COPY = ("Repeat this passage exactly, but write 'sea' where it says 'waters':\n"
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.settings import bundled_demo_model
+    from duet.app.settings import bundled_demo_model
 
     lm = load_model(args.model or bundled_demo_model())
     sampling = SamplingParams(temperature=args.temperature, top_k=20 if args.temperature else 0,

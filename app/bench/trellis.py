@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from engine.quant import trellis
+from duet.engine.quant import trellis
 
 SEQUENCES = 4
 SEQUENCE_LENGTH = 1024

@@ -5,10 +5,10 @@ from __future__ import annotations
 from textual.app import App
 from textual.binding import Binding
 
-from app.session import Launch
-from app.settings import Config, Paths, save_config
-from app.store import Store
-from app.ui.screens.chat import ChatScreen
+from duet.app.session import Launch
+from duet.app.settings import Config, Paths, save_config
+from duet.app.store import Store
+from duet.app.ui.screens.chat import ChatScreen
 
 
 class DuetApp(App):

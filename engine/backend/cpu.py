@@ -9,13 +9,13 @@ import sys
 
 import numpy as np
 
-from engine.backend import MAX_ROWS
-from engine.backend.threads import in_parallel
-from engine.quant.activation import ACT_BLOCK, quantize_int8_blocks, round_to_bf16
-from engine.quant.gguf_blocks import BlockMatrix
-from engine.quant.trellis import TrellisWeight, rotated_int8_activations
-from engine.quant.w4 import GROUP, W4Weight
-from engine.weights import InputOrder
+from duet.engine.backend import MAX_ROWS
+from duet.engine.backend.threads import in_parallel
+from duet.engine.quant.activation import ACT_BLOCK, quantize_int8_blocks, round_to_bf16
+from duet.engine.quant.gguf_blocks import BlockMatrix
+from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations
+from duet.engine.quant.w4 import GROUP, W4Weight
+from duet.engine.weights import InputOrder
 
 
 # From this many tokens, a token-major prefill product splits its tokens between the cores rather

@@ -15,11 +15,11 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from engine.backend import MAX_ROWS, cpu
-from engine.backend.threads import in_parallel, one_blas_thread
-from engine.cache import DeltaNetState, KVCache, Q4KVCache, SequenceState
-from engine.heads import ShortlistHead
-from engine.weights import take_rows
+from duet.engine.backend import MAX_ROWS, cpu
+from duet.engine.backend.threads import in_parallel, one_blas_thread
+from duet.engine.cache import DeltaNetState, KVCache, Q4KVCache, SequenceState
+from duet.engine.heads import ShortlistHead
+from duet.engine.weights import take_rows
 
 # DeltaNet prefill chunk length. transformers' torch_chunk_gated_delta_rule uses 64; with numpy on
 # the CPU 32 runs the rule 20% faster (128 tokens x 8 heads, one thread: 7.4 -> 5.9 ms; 512 tokens:

@@ -12,13 +12,13 @@ import cupy as cp
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from engine.backend import MAX_ROWS
-from engine.cache import Q4_GROUP, RECENT_ROWS, SINK_ROWS
-from engine.kernels.build import kernel
-from engine.quant.activation import ACT_BLOCK
-from engine.quant.gguf_blocks import BlockMatrix
-from engine.quant.trellis import MULTIPLIERS, TrellisWeight, rotation_signs
-from engine.quant.w4 import GROUP, W4Weight
+from duet.engine.backend import MAX_ROWS
+from duet.engine.cache import Q4_GROUP, RECENT_ROWS, SINK_ROWS
+from duet.engine.kernels.build import kernel
+from duet.engine.quant.activation import ACT_BLOCK
+from duet.engine.quant.gguf_blocks import BlockMatrix
+from duet.engine.quant.trellis import MULTIPLIERS, TrellisWeight, rotation_signs
+from duet.engine.quant.w4 import GROUP, W4Weight
 
 
 def _i32(v) -> np.int32:

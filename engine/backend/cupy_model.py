@@ -35,12 +35,12 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
-from engine.backend import cpu
-from engine.backend import cupy_backend as gb
-from engine.backend.cupy_backend import ATTENTION_CHUNK, MAX_ROWS
-from engine.config import ModelConfig
-from engine.model import MoE
-from engine.weights import take_rows
+from duet.engine.backend import cpu
+from duet.engine.backend import cupy_backend as gb
+from duet.engine.backend.cupy_backend import ATTENTION_CHUNK, MAX_ROWS
+from duet.engine.config import ModelConfig
+from duet.engine.model import MoE
+from duet.engine.weights import take_rows
 
 KV_CAPACITY = 256  # rows an attention cache starts with (it doubles as a sequence grows), as engine.cache
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-from engine.checkpoint.gguf_names import EOS_KEY, GGUFTensor, Link, check_architecture, gguf_config, gguf_tensors
-from engine.checkpoint.safetensors import TensorInfo, bf16_to_f32
-from engine.errors import CheckpointError
-from engine.quant.gguf_blocks import CODECS, SUPPORTED_TYPES, BlockMatrix
-from engine.tokenizer import Tokenizer
+from duet.engine.checkpoint.gguf_names import EOS_KEY, GGUFTensor, Link, check_architecture, gguf_config, gguf_tensors
+from duet.engine.checkpoint.safetensors import TensorInfo, bf16_to_f32
+from duet.engine.errors import CheckpointError
+from duet.engine.quant.gguf_blocks import CODECS, SUPPORTED_TYPES, BlockMatrix
+from duet.engine.tokenizer import Tokenizer
 
 QUANTIZED_ROUTES = ("w4a8", "bf16")  # the natural route first
 FLOAT_ROUTES = ("bf16",)

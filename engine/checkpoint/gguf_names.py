@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
-from engine.errors import CheckpointError
-from engine.weights import InputOrder, take_rows
+from duet.engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from duet.engine.errors import CheckpointError
+from duet.engine.weights import InputOrder, take_rows
 
 ARCHITECTURES = {"qwen35": "qwen3_5_text", "qwen35moe": "qwen3_5_moe_text", "qwen3next": "qwen3_5_moe_text"}
 GGUF_ARCHITECTURE = {"qwen3_5": "qwen35", "qwen3_5_text": "qwen35", "qwen3_5_moe": "qwen35moe",

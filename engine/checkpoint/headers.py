@@ -25,16 +25,16 @@ from urllib.parse import quote
 import httpx
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from engine.checkpoint.gguf_names import gguf_config
-from engine.checkpoint.safetensors import (
+from duet.engine.checkpoint.gguf_names import gguf_config
+from duet.engine.checkpoint.safetensors import (
     SafetensorsCheckpoint,
     TensorInfo,
     header_length,
     parse_header_bytes,
     shard_names,
 )
-from engine.config import ModelConfig
-from engine.errors import CheckpointError, DuetError
+from duet.engine.config import ModelConfig
+from duet.engine.errors import CheckpointError, DuetError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 INDEX = "model.safetensors.index.json"

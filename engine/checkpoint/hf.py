@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.checkpoint.safetensors import SafetensorsCheckpoint
-from engine.config import FULL_ATTENTION, ModelConfig
-from engine.errors import CheckpointError
-from engine.quant.w4 import GROUP
-from engine.weights import ModelWeights, take_rows
+from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
+from duet.engine.config import FULL_ATTENTION, ModelConfig
+from duet.engine.errors import CheckpointError
+from duet.engine.quant.w4 import GROUP
+from duet.engine.weights import ModelWeights, take_rows
 
 Progress = Callable[[int, int], None]  # (bytes read so far, bytes to read)
 HEAD_KEY = {True: "embed_tokens.weight", False: "lm_head.weight"}  # by tie_word_embeddings

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.checkpoint.safetensors import SafetensorsCheckpoint, SafetensorsFile
-from engine.errors import CheckpointError
-from engine.quant.w4 import GROUP, NIBBLES, W4Weight, repack_scales, unpack_levels
+from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint, SafetensorsFile
+from duet.engine.errors import CheckpointError
+from duet.engine.quant.w4 import GROUP, NIBBLES, W4Weight, repack_scales, unpack_levels
 
 INT4_ROUTES = ("w4a16", "w4a8", "bf16")  # the natural route first
 PACKED_DTYPES = ("I32", "U32")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.errors import CheckpointError
+from duet.engine.errors import CheckpointError
 
 # safetensors dtype -> (numpy dtype of the stored bits, bytes per element)
 DTYPES = {

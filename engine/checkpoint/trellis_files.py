@@ -22,10 +22,10 @@ import json
 
 import numpy as np
 
-from engine.checkpoint.quantized import Int4Modules
-from engine.checkpoint.safetensors import SafetensorsCheckpoint, SafetensorsFile
-from engine.errors import CheckpointError
-from engine.quant import trellis
+from duet.engine.checkpoint.quantized import Int4Modules
+from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint, SafetensorsFile
+from duet.engine.errors import CheckpointError
+from duet.engine.quant import trellis
 
 FORMAT, VERSION = "trellis", "1"
 TRELLIS_ROUTES = ("w4a8", "bf16")

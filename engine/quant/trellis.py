@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.errors import DuetError
+from duet.engine.errors import DuetError
 
 TILE_ROWS, TILE_COLS = 16, 8
 TILE = TILE_ROWS * TILE_COLS

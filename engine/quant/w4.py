@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.checkpoint.safetensors import bf16_to_f32
-from engine.quant.activation import f32_to_bf16_bits
+from duet.engine.checkpoint.safetensors import bf16_to_f32
+from duet.engine.quant.activation import f32_to_bf16_bits
 
 GROUP = 128  # inputs per scale
 NIBBLES = 8  # inputs per uint32 word

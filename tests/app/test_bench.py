@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from app.bench.common import GEOMETRIES, random_prompt
-from app.bench.decode import TransformersProcess, load_transformers, transformers_engine
-from app.bench.make_random import random_model_config
-from app.cli import main
+from duet.app.bench.common import GEOMETRIES, random_prompt
+from duet.app.bench.decode import TransformersProcess, load_transformers, transformers_engine
+from duet.app.bench.make_random import random_model_config
+from duet.app.cli import main
 from conftest import build_reference, save_reference
-from engine.config import FULL_ATTENTION, ModelConfig
+from duet.engine.config import FULL_ATTENTION, ModelConfig
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The GPU benchmark's geometry and table (the measurement itself runs in scripts/gpu_check.sh)."""
 
-from app.bench import gpu as bench_gpu
+from duet.app.bench import gpu as bench_gpu
 
 
 def test_shapes_are_the_27b_geometry():
@@ -26,8 +26,8 @@ def test_table_has_one_line_per_weight_and_route():
 
 
 def test_cycle_bill_is_the_seeds_27b_pass_plus_context_and_snapshots():
-    from engine.heads import RESCORE_CANDIDATES
-    from engine.placement import conv_state_bytes, deltanet_state_bytes
+    from duet.engine.heads import RESCORE_CANDIDATES
+    from duet.engine.placement import conv_state_bytes, deltanet_state_bytes
 
     c = bench_gpu.geometry_27b(64)
     assert c.layer_types.count("full_attention") == 16 and c.rotary_dim == 64

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from app.cli import main
+from duet.app.cli import main
 from conftest import build_reference, save_reference
 
 DIMS = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from app.bench import BENCHMARKS, add_bench_commands
-from app.cli import main
+from duet.app.bench import BENCHMARKS, add_bench_commands
+from duet.app.cli import main
 
 FLAGS = {  # each benchmark's flags, as they were before the registry
     "decode": {"--model", "--prompt-tokens", "--new-tokens", "--repeats", "--json"},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from app.cli import main
+from duet.app.cli import main
 
 
 def test_spec_bench_reports_each_drafter_and_rule(capsys, tiny_model_dir):

@@ -11,13 +11,13 @@ import time
 import pytest
 from fake_hub import FakeHub
 
-from app.catalog import (
+from duet.app.catalog import (
     STAGING, check_model, clear_stale_staging, delete_model, describe_model, find_in_catalog, find_local,
     hf_cache_dir, hf_cache_models, import_model, load_catalog, local_models, new_staging_dir,
 )
-from app.cli import main
-from app.settings import user_paths
-from engine.errors import DuetError
+from duet.app.cli import main
+from duet.app.settings import user_paths
+from duet.engine.errors import DuetError
 
 REPO = "duet-tests/tiny"
 
@@ -106,7 +106,7 @@ def test_stale_staging_of_dead_processes_is_cleared(home):
 
 
 def test_bundled_model_cannot_be_deleted(home):
-    from app.catalog import LocalModel
+    from duet.app.catalog import LocalModel
 
     with pytest.raises(DuetError, match="ships with duet"):
         delete_model(LocalModel("demo", home.models_dir, 0, "bundled"))
@@ -161,7 +161,7 @@ def test_cli_import(home, tiny_model, capsys):
 def test_ctrl_c_during_pull_keeps_nothing(hub, home, tiny_model):
     hub.slow["model.safetensors"] = 0.5
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    pull = subprocess.Popen([sys.executable, "-m", "app.cli", "models", "pull", REPO], env=env,
+    pull = subprocess.Popen([sys.executable, "-m", "duet.app.cli", "models", "pull", REPO], env=env,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while not any(method == "GET" and path.endswith("model.safetensors") for method, path in hub.requests):

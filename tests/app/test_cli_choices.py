@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from app.cli import main, main_parser
-from engine import Accept, Draft, DuetError, GenerateOptions, KVCache, Route
-from engine.placement import KV_TYPES
-from engine.speculative import DRAFTERS, EXACT, LOSSY
+from duet.app.cli import main, main_parser
+from duet.engine import Accept, Draft, DuetError, GenerateOptions, KVCache, Route
+from duet.engine.placement import KV_TYPES
+from duet.engine.speculative import DRAFTERS, EXACT, LOSSY
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:

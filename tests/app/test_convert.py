@@ -11,10 +11,10 @@ import gguf
 import numpy as np
 import pytest
 
-from app.cli import main
+from duet.app.cli import main
 from conftest import build_reference, save_reference
-from engine import load_model
-from engine.checkpoint.safetensors import SafetensorsFile
+from duet.engine import load_model
+from duet.engine.checkpoint.safetensors import SafetensorsFile
 
 DIMS = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
 
@@ -80,13 +80,13 @@ def test_gguf_from_a_folder_without_tokenizer_json_is_one_line_exit_2(source, tm
 
 def test_a_failed_write_leaves_nothing_at_dst(source, tmp_path, capsys, monkeypatch):
     """The disk fills up halfway through: one line, and neither DST nor a partial file is left."""
-    import app.convert
+    from duet.app import convert
 
     def disk_full(path, tensors, metadata):
         path.write_bytes(b"half a file")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(app.convert, "write_safetensors", disk_full)
+    monkeypatch.setattr(convert, "write_safetensors", disk_full)
     one_line_exit_2(["convert", str(source), str(tmp_path / "int4"), "--format", "int4"], capsys,
                     str(tmp_path / "int4"), os.strerror(errno.ENOSPC), "nothing was written")
     assert list(tmp_path.iterdir()) == []
@@ -145,7 +145,7 @@ def test_unsupported_block_type_names_it_and_lists_the_supported(tmp_path, capsy
 
 def test_int4_scales_that_do_not_match_the_weights_are_one_line_exit_2(source, tmp_path, capsys):
     """Rewrite one module's weight_scale with a group count that does not divide its inputs."""
-    from app.convert import write_safetensors
+    from duet.app.convert import write_safetensors
 
     folder = tmp_path / "int4"
     assert main(["convert", str(source), str(folder), "--format", "int4"]) == 0

@@ -9,10 +9,10 @@ import pytest
 from conftest import build_reference, save_reference
 from fake_hub import FakeHub
 
-from app.catalog import STAGING, check_model, local_models
-from app.downloads import DownloadCancelled, download_model, remote_model
-from engine import load_model
-from engine.errors import DuetError
+from duet.app.catalog import STAGING, check_model, local_models
+from duet.app.downloads import DownloadCancelled, download_model, remote_model
+from duet.engine import load_model
+from duet.engine.errors import DuetError
 
 REPO = "duet-tests/tiny"
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from app.exports import export_conversation, export_json, export_markdown
-from app.store import Store
-from engine import DuetError
+from duet.app.exports import export_conversation, export_json, export_markdown
+from duet.app.store import Store
+from duet.engine import DuetError
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from app.cli import main
-from engine import load_model
+from duet.app.cli import main
+from duet.engine import load_model
 
 JSON_STATS = {"prompt_tokens", "generated_tokens", "prefill_tok_s", "decode_tok_s", "cycles", "tokens_per_cycle",
               "drafted", "accepted", "acceptance_rate", "accept_by_position", "n_lossy",
@@ -162,7 +162,7 @@ def test_bad_argument_is_one_line(capsys):
 def duet_command() -> list[str]:
     """The console script installed beside the running Python (the test venv's), not another on PATH."""
     script = shutil.which("duet", path=str(Path(sys.executable).parent))
-    return [script] if script else [sys.executable, "-m", "app.cli"]
+    return [script] if script else [sys.executable, "-m", "duet.app.cli"]
 
 
 def test_console_script_error_has_no_traceback(tmp_path):

@@ -8,14 +8,14 @@ import threading
 import pytest
 from conftest import build_reference, save_reference
 
-from app.cli import main_parser
-from app.session import (
+from duet.app.cli import main_parser
+from duet.app.session import (
     LOAD_PROGRESS_STEP, ChatSession, ContextFull, EngineChoices, EngineHost, Launch, ReplyChunk, ReplyDone,
     reply_options, split_thinking,
 )
-from app.settings import Config
-from app.store import Store
-from engine import Accept, Draft, DuetError, GenerateOptions, KVCache, Route, load_model
+from duet.app.settings import Config
+from duet.app.store import Store
+from duet.engine import Accept, Draft, DuetError, GenerateOptions, KVCache, Route, load_model
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import tomllib
 
 import pytest
 
-from app.cli import main
-from app.settings import Config, load_config, save_config, to_toml, user_paths
-from engine.errors import DuetError
+from duet.app.cli import main
+from duet.app.settings import Config, load_config, save_config, to_toml, user_paths
+from duet.engine.errors import DuetError
 
 
 def test_duet_home_holds_config_and_data(tmp_path, monkeypatch):

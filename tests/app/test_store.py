@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from app.store import Store
-from engine.errors import DuetError
+from duet.app.store import Store
+from duet.engine.errors import DuetError
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_a_file_that_is_not_a_database_is_one_line_and_kept(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, time
-    from app.store import Store
+    from duet.app.store import Store
     store = Store(sys.argv[1])
     chat = store.create_conversation("crash test")
     for i in range(1000000):

@@ -9,15 +9,15 @@ import pytest
 from pilot_wait import wait_for
 from textual.widgets import Collapsible, Input, Label, Markdown, Select, Static
 
-from app.settings import Config, load_config, user_paths
-from app.store import Store
-from app.session import EngineChoices, Launch
-from app.ui.app import DuetApp
-from app.ui.screens.chat import ChatScreen
-from app.ui.screens.dialogs import CodeBlockPicker, Confirm, ContextFullChoice, ExportChoice, ReplySettings, TextPrompt
-from app.ui.widgets.conversation_list import ConversationList
-from app.ui.widgets.message_view import MessageView
-from app.ui.widgets.readouts import ContextMeter
+from duet.app.settings import Config, load_config, user_paths
+from duet.app.store import Store
+from duet.app.session import EngineChoices, Launch
+from duet.app.ui.app import DuetApp
+from duet.app.ui.screens.chat import ChatScreen
+from duet.app.ui.screens.dialogs import CodeBlockPicker, Confirm, ContextFullChoice, ExportChoice, ReplySettings, TextPrompt
+from duet.app.ui.widgets.conversation_list import ConversationList
+from duet.app.ui.widgets.message_view import MessageView
+from duet.app.ui.widgets.readouts import ContextMeter
 
 SIZE = (140, 40)
 pytestmark = pytest.mark.anyio
@@ -323,7 +323,7 @@ async def test_quitting_mid_reply_keeps_it_marked_stopped(make_app, endless_mode
 
 
 async def test_the_route_switch_lists_the_checkpoints_routes_and_runs_the_chosen_one(make_app, tiny_model, tmp_path):
-    from app.cli import main
+    from duet.app.cli import main
 
     int4 = tmp_path / "tiny-int4"
     assert main(["convert", str(tiny_model), str(int4), "--format", "int4"]) == 0
@@ -344,7 +344,7 @@ async def test_the_route_switch_lists_the_checkpoints_routes_and_runs_the_chosen
 
 
 async def test_switching_route_and_rule_while_a_reply_streams_applies_from_the_next_cycle(make_app, endless_model, tmp_path):
-    from app.cli import main
+    from duet.app.cli import main
 
     int4 = tmp_path / "endless-int4"
     assert main(["convert", str(endless_model), str(int4), "--format", "int4"]) == 0

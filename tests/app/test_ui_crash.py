@@ -13,16 +13,16 @@ from pathlib import Path
 
 from conftest import build_reference, save_reference
 
-from app.settings import user_paths
-from app.store import Store
+from duet.app.settings import user_paths
+from duet.app.store import Store
 
 DRIVER = textwrap.dedent("""
     import asyncio, sys
     from pathlib import Path
     from textual.widgets import Input
-    from app.settings import Config, user_paths
-    from app.session import EngineChoices, Launch
-    from app.ui.app import DuetApp
+    from duet.app.settings import Config, user_paths
+    from duet.app.session import EngineChoices, Launch
+    from duet.app.ui.app import DuetApp
 
     async def until(pilot, condition):
         for _ in range(600):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import engine
+from duet import engine
 
 ROOT = Path(__file__).resolve().parents[2]
 UI_FILES = sorted((ROOT / "app" / "ui").rglob("*.py"))
@@ -30,6 +30,7 @@ def imports(path: Path) -> list[tuple[int, str]]:
 
 
 def broken_rule(module: str) -> str | None:
+    module = module.removeprefix("duet.")
     top = module.split(".")[0]
     if top == "engine" and module != "engine" and module.removeprefix("engine.") not in engine.__all__:
         return "engine internals: import from the engine's public API (engine/__init__.py) or go through app.*"
@@ -57,8 +58,8 @@ def test_the_rule_catches_what_it_is_for():
 
 def test_loading_the_ui_loads_no_command_line_module():
     """Also what the UI's app.* modules import in turn."""
-    probe = ("import sys, app.ui.app; "
-             f"print(sorted(m for m in sys.modules if m.startswith({COMMAND_LINE!r})))")
+    probe = ("import sys, duet.app.ui.app; "
+             f"print(sorted(m for m in sys.modules if m.removeprefix('duet.').startswith({COMMAND_LINE!r})))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

@@ -7,14 +7,14 @@ from fake_hub import FakeHub
 from pilot_wait import wait_for
 from textual.widgets import DataTable, Input, Label
 
-import app.catalog
-from app.catalog import import_model
-from app.settings import Config, user_paths
-from app.session import EngineChoices, Launch
-from app.ui.app import DuetApp
-from app.ui.screens.chat import ChatScreen
-from app.ui.screens.dialogs import Confirm, TextPrompt
-from app.ui.screens.models import ModelsScreen
+from duet.app import catalog as catalog_module
+from duet.app.catalog import import_model
+from duet.app.settings import Config, user_paths
+from duet.app.session import EngineChoices, Launch
+from duet.app.ui.app import DuetApp
+from duet.app.ui.screens.chat import ChatScreen
+from duet.app.ui.screens.dialogs import Confirm, TextPrompt
+from duet.app.ui.screens.models import ModelsScreen
 
 SIZE = (140, 45)
 REPO = "duet-tests/tiny"
@@ -47,7 +47,7 @@ def hub(tiny_model, tmp_path, monkeypatch):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     catalog = tmp_path / "catalog.toml"
     catalog.write_text(CATALOG)
-    monkeypatch.setattr(app.catalog, "catalog_path", lambda: catalog)
+    monkeypatch.setattr(catalog_module, "catalog_path", lambda: catalog)
     with FakeHub() as fake:
         fake.add_folder(REPO, tiny_model)
         fake.add_folder("duet-tests/locked", tiny_model)

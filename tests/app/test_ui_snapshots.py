@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-import app.catalog
-from app.catalog import import_model
-from app.settings import Config, user_paths
-from app.store import Store
-from app.session import Launch
-from app.ui.app import DuetApp
-from app.ui.screens.chat import ChatScreen
+from duet.app import catalog as catalog_module
+from duet.app.catalog import import_model
+from duet.app.settings import Config, user_paths
+from duet.app.store import Store
+from duet.app.session import Launch
+from duet.app.ui.app import DuetApp
+from duet.app.ui.screens.chat import ChatScreen
 
 SIZE = (130, 36)
 STATS = {"prompt_tokens": 24, "generated_tokens": 40, "prefill_tok_s": 812.5, "decode_tok_s": 41.3, "cycles": 18,
@@ -23,7 +23,7 @@ REPLY = "The fox answers in a code block:\n\n```python\nprint('jumps over the la
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("DUET_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    monkeypatch.setattr(app.catalog, "bundled_demo_model", lambda: tmp_path / "no-demo")
+    monkeypatch.setattr(catalog_module, "bundled_demo_model", lambda: tmp_path / "no-demo")
     return user_paths()
 
 

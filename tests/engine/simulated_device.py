@@ -48,15 +48,15 @@ import pytest
 from gguf import GGMLQuantizationType
 from threadpoolctl import threadpool_limits
 
-from engine.backend import cpu, cpu_ops, select
-from engine.backend.select import backend_name
-from engine.cache import dequantize_q4, hadamard, quantize_q4
-from engine.checkpoint.safetensors import bf16_to_f32
-from engine.kernels import build
-from engine.quant.activation import f32_to_bf16_bits, quantize_int8_blocks
-from engine.quant.gguf_blocks import BlockMatrix
-from engine.quant.trellis import MULTIPLIERS, TrellisWeight, _hadamard_blocks
-from engine.quant.w4 import W4Weight
+from duet.engine.backend import cpu, cpu_ops, select
+from duet.engine.backend.select import backend_name
+from duet.engine.cache import dequantize_q4, hadamard, quantize_q4
+from duet.engine.checkpoint.safetensors import bf16_to_f32
+from duet.engine.kernels import build
+from duet.engine.quant.activation import f32_to_bf16_bits, quantize_int8_blocks
+from duet.engine.quant.gguf_blocks import BlockMatrix
+from duet.engine.quant.trellis import MULTIPLIERS, TrellisWeight, _hadamard_blocks
+from duet.engine.quant.w4 import W4Weight
 
 SM_COUNT = 82  # an RTX 3090's multiprocessors: the W4A16 split count depends on it
 
@@ -488,13 +488,13 @@ def installed(monkeypatch):
     cores, 0.8 s with one)."""
     import cupy
 
-    import engine.backend.cupy_model  # noqa: F401  the loader's way into the GPU backend: imports the rest
+    import duet.engine.backend.cupy_model  # noqa: F401  the loader's way into the GPU backend: imports the rest
 
     device = SimulatedDevice()
     simulated = SimulatedCupy(device)
     real_kernel = build.kernel
     for name, module in list(sys.modules.items()):
-        if name == "engine" or name.startswith("engine."):
+        if name == "duet.engine" or name.startswith("duet.engine."):
             for attr, value in list(vars(module).items()):
                 if value is cupy:
                     monkeypatch.setattr(module, attr, simulated)

@@ -8,11 +8,11 @@ import threading
 import numpy as np
 import pytest
 
-import engine.backend.cpu as cpu
-from engine.backend import threads
+import duet.engine.backend.cpu as cpu
+from duet.engine.backend import threads
 from conftest import build_reference, save_reference
-from engine.loader import load_model
-from engine.quant.w4 import quantize_rtn
+from duet.engine.loader import load_model
+from duet.engine.quant.w4 import quantize_rtn
 
 
 def test_parts_cover_every_item_once_on_several_threads(monkeypatch):

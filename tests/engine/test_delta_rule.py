@@ -4,8 +4,8 @@ token-by-token recurrence, including decays strong enough to push naive products
 import numpy as np
 import pytest
 
-from engine.cache import DeltaNetState
-from engine.backend.cpu_ops import CHUNK, decay, delta_rule_chunked, delta_rule_rows, l2_normalize, unit_lower_inverse
+from duet.engine.cache import DeltaNetState
+from duet.engine.backend.cpu_ops import CHUNK, decay, delta_rule_chunked, delta_rule_rows, l2_normalize, unit_lower_inverse
 
 SMALLEST_NORMAL = np.finfo(np.float32).tiny
 

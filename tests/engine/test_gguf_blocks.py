@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine.backend.cpu import W4A8Linear
-from engine.quant.activation import quantize_int8_blocks
-from engine.quant.gguf_blocks import CODECS, BlockMatrix, dequantize_blocks
+from duet.engine.backend.cpu import W4A8Linear
+from duet.engine.quant.activation import quantize_int8_blocks
+from duet.engine.quant.gguf_blocks import CODECS, BlockMatrix, dequantize_blocks
 
 # Byte offsets of each block type's f16 fields (ggml-common.h): d, and dmin for the K-quants with minimums.
 F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}

@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from app.cli import main
+from duet.app.cli import main
 from conftest import add_random_mtp_head, build_reference, moe_fields, randomize, save_reference, tiny_text_config
-from engine import load_model
-from engine.checkpoint.gguf import GGUFCheckpoint
-from engine.checkpoint.gguf_names import GGUF_ARCHITECTURE, gguf_tensors
-from engine.checkpoint.headers import read_headers
-from engine.checkpoint.hf import TensorPlan, read_weights
-from engine.checkpoint.safetensors import SafetensorsCheckpoint
-from engine.config import ModelConfig
-from engine.weights import InputOrder
+from duet.engine import load_model
+from duet.engine.checkpoint.gguf import GGUFCheckpoint
+from duet.engine.checkpoint.gguf_names import GGUF_ARCHITECTURE, gguf_tensors
+from duet.engine.checkpoint.headers import read_headers
+from duet.engine.checkpoint.hf import TensorPlan, read_weights
+from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
+from duet.engine.config import ModelConfig
+from duet.engine.weights import InputOrder
 
 DATA = Path(__file__).parent / "data"
 QWEN35_MTP, QWEN35MOE, QWEN3NEXT = "llamacpp_qwen35_mtp_f16.gguf", "llamacpp_qwen35moe_f16.gguf", "llamacpp_qwen3next_f16.gguf"
@@ -199,7 +199,7 @@ def test_llamacpp_qwen35_file_with_mtp_matches_transformers(tmp_path):
 
 def test_tokenizer_and_template_from_gguf_metadata(tmp_path):
     """tokenizer.ggml.* rebuilds the tokenizer the converter read: same ids, stop tokens, chat template."""
-    from engine.tokenizer import Tokenizer
+    from duet.engine.tokenizer import Tokenizer
 
     save_reference(build_reference("qwen3_5_text", seed=21), tmp_path)
     original = Tokenizer.from_dir(tmp_path)

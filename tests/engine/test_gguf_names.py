@@ -16,12 +16,12 @@ import pytest
 import safetensors.numpy
 from safetensors.torch import load_file, save_file
 
-from app.cli import main
+from duet.app.cli import main
 from conftest import build_reference, randomize, save_reference, split_fused_experts
-from engine.checkpoint.gguf import GGUFCheckpoint, checkpoint_name
-from engine.checkpoint.gguf_names import AS_STORED, GGUF_ARCHITECTURE, gguf_tensors
-from engine.checkpoint.hf import TensorPlan
-from engine.weights import InputOrder
+from duet.engine.checkpoint.gguf import GGUFCheckpoint, checkpoint_name
+from duet.engine.checkpoint.gguf_names import AS_STORED, GGUF_ARCHITECTURE, gguf_tensors
+from duet.engine.checkpoint.hf import TensorPlan
+from duet.engine.weights import InputOrder
 from test_gguf_files import qwen3_next_reference, source_tensors
 
 KINDS = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")

@@ -17,11 +17,11 @@ from conftest import build_reference, save_reference
 from simulated_device import C_TYPES, SOURCES, TWINS, CaptureError, installed
 from test_gpu_model import LOGIT_RTOL, MODELS, PROMPT_TEXT, decode_logits, greedy_tokens, load
 
-from engine import heads
-from engine.backend import cupy_backend as gb
-from engine.backend import cupy_model, select
-from engine.kernels import build
-from engine.tokenizer import Tokenizer
+from duet.engine import heads
+from duet.engine.backend import cupy_backend as gb
+from duet.engine.backend import cupy_model, select
+from duet.engine.kernels import build
+from duet.engine.tokenizer import Tokenizer
 
 
 @pytest.fixture

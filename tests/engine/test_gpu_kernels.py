@@ -20,14 +20,14 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from simulated_device import cupy_fixture
 
-from engine.backend import cpu
-from engine.backend import cupy_backend as gb
-from engine.cache import DeltaNetState, Q4KVCache
-from engine.backend.cpu_ops import apply_rope, attend, causal_conv, delta_rule_rows, l2_normalize, rms_norm, rope_tables, sigmoid, silu
-from engine.quant.activation import f32_to_bf16_bits, quantize_int8_blocks, round_to_bf16
-from engine.quant.gguf_blocks import BlockMatrix
-from engine.quant.trellis import TrellisWeight, rotated_int8_activations, rotation_signs
-from engine.quant.w4 import W4Weight, pack_levels
+from duet.engine.backend import cpu
+from duet.engine.backend import cupy_backend as gb
+from duet.engine.cache import DeltaNetState, Q4KVCache
+from duet.engine.backend.cpu_ops import apply_rope, attend, causal_conv, delta_rule_rows, l2_normalize, rms_norm, rope_tables, sigmoid, silu
+from duet.engine.quant.activation import f32_to_bf16_bits, quantize_int8_blocks, round_to_bf16
+from duet.engine.quant.gguf_blocks import BlockMatrix
+from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations, rotation_signs
+from duet.engine.quant.w4 import W4Weight, pack_levels
 
 cp = cupy_fixture()
 pytestmark = pytest.mark.usefixtures("cp")  # every test runs on each device

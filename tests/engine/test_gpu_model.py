@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 from simulated_device import cupy_fixture
 
-from engine import DuetError, GenerateOptions, SamplingParams, Switches, Tokens, generate, load_model
-from engine.backend import select
-from engine.backend.cupy_model import CycleGraph, GpuOps
-from engine.tokenizer import Tokenizer
+from duet.engine import DuetError, GenerateOptions, SamplingParams, Switches, Tokens, generate, load_model
+from duet.engine.backend import select
+from duet.engine.backend.cupy_model import CycleGraph, GpuOps
+from duet.engine.tokenizer import Tokenizer
 
 cp = cupy_fixture()
 MODELS = Path(__file__).resolve().parents[2] / "models"

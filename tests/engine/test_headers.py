@@ -10,9 +10,9 @@ import gguf
 import pytest
 
 import headeronly as ho
-from app.cli import main
-from engine.checkpoint.headers import read_headers
-from engine.errors import CheckpointError
+from duet.app.cli import main
+from duet.engine.checkpoint.headers import read_headers
+from duet.engine.errors import CheckpointError
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ from urllib.parse import unquote
 import pytest
 
 import headeronly as ho
-from app.cli import main
-from engine.checkpoint.headers import FIRST_BLOCK, MAX_BLOCK, read_headers
-from engine.errors import DuetError
-from engine.placement import GB, RTX_3090, assess
+from duet.app.cli import main
+from duet.engine.checkpoint.headers import FIRST_BLOCK, MAX_BLOCK, read_headers
+from duet.engine.errors import DuetError
+from duet.engine.placement import GB, RTX_3090, assess
 
 MAX_BODY = 8 * 2**20
 TOKEN = "hf_test_token_never_to_be_logged"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.cli import main
+from duet.app.cli import main
 from conftest import add_random_mtp_head, build_reference, save_reference
-from engine import GenerateOptions, SamplingParams, Tokens, generate, load_model
-from engine import heads
-from engine.heads import RESCORE_CANDIDATES, RescoredHead
-from engine.speculative import MTPDrafter
+from duet.engine import GenerateOptions, SamplingParams, Tokens, generate, load_model
+from duet.engine import heads
+from duet.engine.heads import RESCORE_CANDIDATES, RescoredHead
+from duet.engine.speculative import MTPDrafter
 
 STEPS = 64
 DIMS = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)

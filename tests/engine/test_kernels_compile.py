@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.kernels import build
+from duet.engine.kernels import build
 
 # Kernels whose stack frame is expected: cosf/sinf keep a small array for the exact reduction of
 # large angles (positions up to 262,144 radians times inv_freq). Nothing may spill anywhere.
@@ -81,8 +81,8 @@ def test_cpu_path_never_imports_cupy():
     """Importing the engine and running a CPU forward leaves CuPy unimported, GPU or not."""
     code = (
         "import sys\n"
-        "from engine import GenerateOptions, generate, load_model\n"
-        "from engine.backend.select import backend_name\n"
+        "from duet.engine import GenerateOptions, generate, load_model\n"
+        "from duet.engine.backend.select import backend_name\n"
         "auto = backend_name('auto')\n"
         "lm = load_model('models/demo')\n"
         "events = list(generate(lm, lm.tokenizer.encode('Hello'), GenerateOptions(max_tokens=4)))\n"

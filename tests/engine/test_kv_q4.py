@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import build_reference, save_reference
-from engine.cache import RECENT_ROWS, SINK_ROWS, KVCache, Q4KVCache, dequantize_q4, quantize_q4
-from engine.loader import load_model
-from engine.backend.cpu_ops import attend
+from duet.engine.cache import RECENT_ROWS, SINK_ROWS, KVCache, Q4KVCache, dequantize_q4, quantize_q4
+from duet.engine.loader import load_model
+from duet.engine.backend.cpu_ops import attend
 
 
 def test_codec_round_trip_error_is_within_half_a_step():

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from conftest import build_reference, save_reference
-from engine import CheckpointError, load_model
-from engine.checkpoint.safetensors import SafetensorsCheckpoint
-from engine.config import ModelConfig
+from duet.engine import CheckpointError, load_model
+from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
+from duet.engine.config import ModelConfig
 
 
 def test_progress_counts_exactly_the_text_model_bytes(tmp_path):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import add_random_mtp_head, build_reference, save_reference, split_fused_experts
-from engine import GenerateOptions, Tokens, generate, load_model
-from engine.backend import MAX_ROWS
-from engine.checkpoint.safetensors import SafetensorsCheckpoint
+from duet.engine import GenerateOptions, Tokens, generate, load_model
+from duet.engine.backend import MAX_ROWS
+from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
 
 PROMPT_LEN = 150  # more than two DeltaNet chunks (64 in transformers, 32 in ours), a multiple of neither
 DECODE_STEPS = 24

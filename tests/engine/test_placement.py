@@ -14,9 +14,9 @@ import tracemalloc
 import pytest
 
 import headeronly as ho
-from engine.checkpoint.headers import read_headers
-from engine.checkpoint.safetensors import SafetensorsFile
-from engine.placement import (
+from duet.engine.checkpoint.headers import read_headers
+from duet.engine.checkpoint.safetensors import SafetensorsFile
+from duet.engine.placement import (
     ATTENTION, DELTANET, EXPERTS, GB, HEAD, METADATA, MLP, MTP, NORMS, RTX_3090, SHARED, VISION, EMBEDDING,
     assess, bill_of_bytes, ceiling_tok_s, detect_card, kv_exact_rows, kv_read_bytes, kv_row_bytes, memory_plan, tensor_kind,
     weights_of,
@@ -94,7 +94,7 @@ def test_kv_bytes_per_type():
 
 
 def ho_config():
-    from engine.config import ModelConfig
+    from duet.engine.config import ModelConfig
 
     return ModelConfig.from_dict(ho.config_27b())
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from engine.backend.cpu import DenseLinear, W4A8Linear, W4A16Linear
-from engine.checkpoint.quantized import CompressedTensors, GPTQ, read_quantization
-from engine.checkpoint.safetensors import SafetensorsCheckpoint
-from engine.errors import CheckpointError
-from engine.quant.activation import quantize_int8_blocks, round_to_bf16
-from engine.quant.w4 import W4Weight, pack_levels, quantize_rtn, unpack_levels
+from duet.engine.backend.cpu import DenseLinear, W4A8Linear, W4A16Linear
+from duet.engine.checkpoint.quantized import CompressedTensors, GPTQ, read_quantization
+from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
+from duet.engine.errors import CheckpointError
+from duet.engine.quant.activation import quantize_int8_blocks, round_to_bf16
+from duet.engine.quant.w4 import W4Weight, pack_levels, quantize_rtn, unpack_levels
 
 N, K = 48, 512
 BF16_ROUNDOFF = 2.0**-8  # |bf16(x) - x| <= 2^-8 |x|: 8 significant bits, round to nearest
@@ -244,8 +244,8 @@ def test_bf16_route_runs_the_exact_dequantized_weights(w4):
 
 def test_stacked_parts_merge_by_runs_of_one_storage_form():
     """q | k | v | z in W4 and b | a in float (an INT4 DeltaNet): two matrices, not four, same outputs."""
-    from engine.assemble import stacked_linear
-    from engine.backend.cpu import ConcatOutputs
+    from duet.engine.assemble import stacked_linear
+    from duet.engine.backend.cpu import ConcatOutputs
 
     rng = np.random.default_rng(3)
     w4 = [quantize_rtn(rng.standard_normal((n, 256)).astype(np.float32)) for n in (48, 16)]

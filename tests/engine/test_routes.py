@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from app.cli import main
+from duet.app.cli import main
 from conftest import build_reference, save_reference
-from engine import CheckpointError, DuetError, GenerateOptions, SamplingParams, Switches, Tokens, generate, load_model
-from engine.backend.cpu_ops import softmax
-from engine.speculative import NoDrafter
+from duet.engine import CheckpointError, DuetError, GenerateOptions, SamplingParams, Switches, Tokens, generate, load_model
+from duet.engine.backend.cpu_ops import softmax
+from duet.engine.speculative import NoDrafter
 
 DIMS = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32)
 STEPS = 64

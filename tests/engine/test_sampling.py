@@ -16,8 +16,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from engine.errors import DuetError
-from engine.sampling import Sampler, SamplingParams, probabilities, process_logits, process_rows
+from duet.engine.errors import DuetError
+from duet.engine.sampling import Sampler, SamplingParams, probabilities, process_logits, process_rows
 
 VOCAB = 97
 

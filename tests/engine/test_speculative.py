@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from conftest import build_reference, save_reference
-from engine import GenerateOptions, SamplingParams, Tokens, generate, load_model
-from engine.sampling import Sampler
-from engine.speculative import LOSSY, Draft, MTPDrafter, NoDrafter, accept
+from duet.engine import GenerateOptions, SamplingParams, Tokens, generate, load_model
+from duet.engine.sampling import Sampler
+from duet.engine.speculative import LOSSY, Draft, MTPDrafter, NoDrafter, accept
 
 
 def run(lm, prompt, options, drafter=None):
@@ -76,7 +76,7 @@ def test_ngram_drafts_keep_greedy_output(model_of_each_type):
 
 
 def test_rule_switch_between_cycles_is_read_live(model_of_each_type):
-    from engine import Switches
+    from duet.engine import Switches
 
     lm = model_of_each_type
     switches = Switches("exact")
@@ -203,7 +203,7 @@ def test_rollback_equals_decoding_only_the_accepted_tokens(model_of_each_type):
     (("--draft", "mtp",), "no MTP head"),
 ])
 def test_bad_speculative_flags(capsys, tiny_model_dir, args, needle):
-    from app.cli import main
+    from duet.app.cli import main
 
     capsys.readouterr()
     code = main(["--headless", "hi", "--model", str(tiny_model_dir), *args])

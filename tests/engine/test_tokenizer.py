@@ -12,8 +12,8 @@ from tokenizers import Tokenizer as TokenizersBackend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
-from engine.errors import CheckpointError, DuetError
-from engine.tokenizer import StreamDecoder, Tokenizer
+from duet.engine.errors import CheckpointError, DuetError
+from duet.engine.tokenizer import StreamDecoder, Tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 

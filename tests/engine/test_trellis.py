@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.errors import DuetError
-from engine.quant import trellis as T
+from duet.engine.errors import DuetError
+from duet.engine.quant import trellis as T
 
 ALL_STATES = np.arange(T.N_STATES)
 

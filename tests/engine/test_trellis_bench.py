@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from app.bench import trellis as bench_trellis
-from app.cli import main
-from engine.quant import trellis
+from duet.app.bench import trellis as bench_trellis
+from duet.app.cli import main
+from duet.engine.quant import trellis
 
 
 def test_lloyd_max_matches_the_published_gaussian_values():

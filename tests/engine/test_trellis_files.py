@@ -13,15 +13,15 @@ import shutil
 import numpy as np
 import pytest
 
-from app.cli import main
-from app.convert import write_safetensors
+from duet.app.cli import main
+from duet.app.convert import write_safetensors
 from conftest import build_reference, moe_fields, randomize, save_reference, tiny_text_config
-from engine import load_model
-from engine.assemble import stacked_linear
-from engine.backend import MAX_ROWS
-from engine.backend.cpu import DenseLinear, TrellisLinear
-from engine.checkpoint.safetensors import SafetensorsFile
-from engine.quant import trellis
+from duet.engine import load_model
+from duet.engine.assemble import stacked_linear
+from duet.engine.backend import MAX_ROWS
+from duet.engine.backend.cpu import DenseLinear, TrellisLinear
+from duet.engine.checkpoint.safetensors import SafetensorsFile
+from duet.engine.quant import trellis
 from test_routes import decode, mean_kl
 
 PROMPT = [int(t) for t in np.random.default_rng(2).integers(0, 300, 24)]

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from app.cli import main
-from app.settings import bundled_demo_model
-from engine import Finished, GenerateOptions, Tokens, generate, load_model
+from duet.app.cli import main
+from duet.app.settings import bundled_demo_model
+from duet.engine import Finished, GenerateOptions, Tokens, generate, load_model
 
 HELD_OUT = json.loads((Path(__file__).parents[1] / "data" / "demo_heldout.json").read_text())["texts"]
 
@@ -80,7 +80,7 @@ def test_a_damaged_demo_model_is_one_line_naming_the_file(tmp_path, capsys, monk
         weights.unlink()
     else:
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    monkeypatch.setattr("app.headless.bundled_demo_model", lambda: copy)
+    monkeypatch.setattr("duet.app.headless.bundled_demo_model", lambda: copy)
     capsys.readouterr()
     assert main(["--headless", "In the beginning"]) == 2
     err = capsys.readouterr().err
@@ -93,7 +93,7 @@ def test_a_damaged_demo_model_is_one_line_naming_the_file(tmp_path, capsys, monk
     ("demo_gguf/demo-q8_0.gguf", "w4a8", 0.002),
 ])
 def test_shipped_conversions_keep_the_model(demo, folder, route, max_kl):
-    from engine.backend.cpu_ops import softmax
+    from duet.engine.backend.cpu_ops import softmax
 
     converted = load_model(bundled_demo_model().parent / folder, route=route)
     assert converted.model.mtp is not None and converted.route == route

@@ -21,14 +21,14 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Label, ListView, ProgressBar, Select, Switch
 from textual.worker import get_current_worker
 
-from app.exports import export_conversation
-from app.session import ChatSession, ContextFull, EngineHost, Launch, Readout, ReplyChunk, ReplyDone
-from app.ui.screens.dialogs import Confirm, ContextFullChoice, ExportChoice, ReplySettings, TextPrompt
-from app.ui.screens.models import ModelsScreen
-from app.ui.widgets.conversation_list import ConversationItem, ConversationList
-from app.ui.widgets.message_view import MessageView
-from app.ui.widgets.readouts import ContextMeter, Readouts, SwitchPanel
-from engine import Accept, DuetError, LoadedModel, Route
+from duet.app.exports import export_conversation
+from duet.app.session import ChatSession, ContextFull, EngineHost, Launch, Readout, ReplyChunk, ReplyDone
+from duet.app.ui.screens.dialogs import Confirm, ContextFullChoice, ExportChoice, ReplySettings, TextPrompt
+from duet.app.ui.screens.models import ModelsScreen
+from duet.app.ui.widgets.conversation_list import ConversationItem, ConversationList
+from duet.app.ui.widgets.message_view import MessageView
+from duet.app.ui.widgets.readouts import ContextMeter, Readouts, SwitchPanel
+from duet.engine import Accept, DuetError, LoadedModel, Route
 
 QUIT_WAIT_SECONDS = 5.0  # on quit, how long to wait for a stopped reply to be saved
 

@@ -11,9 +11,9 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, TextArea
 
-from app.session import sampling_params
-from app.settings import Config
-from engine import DuetError
+from duet.app.session import sampling_params
+from duet.app.settings import Config
+from duet.engine import DuetError
 
 SHOWN_CODE_CHARS = 60
 

@@ -17,14 +17,14 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Label, ProgressBar, Static
 
-from app.catalog import (
+from duet.app.catalog import (
     CatalogEntry, LocalModel, clear_stale_staging, delete_model, describe_lines, describe_model, human_size,
     import_model, load_catalog, local_models,
 )
-from app.downloads import DownloadProgress, download_model, remote_model
-from app.models_info import ModelPlan, card_summary, host_memory, host_summary, info_lines, plan_model
-from app.ui.screens.dialogs import Confirm, TextPrompt
-from engine import DuetError
+from duet.app.downloads import DownloadProgress, download_model, remote_model
+from duet.app.models_info import ModelPlan, card_summary, host_memory, host_summary, info_lines, plan_model
+from duet.app.ui.screens.dialogs import Confirm, TextPrompt
+from duet.engine import DuetError
 
 
 class ModelsScreen(Screen):

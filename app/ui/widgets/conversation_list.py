@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.widgets import Label, ListItem, ListView
 
-from app.store import Conversation
+from duet.app.store import Conversation
 
 
 class ConversationItem(ListItem):

@@ -9,9 +9,9 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Collapsible, Markdown, Static
 
-from app.session import split_thinking
-from app.store import Message
-from app.ui.screens.dialogs import CodeBlockPicker
+from duet.app.session import split_thinking
+from duet.app.store import Message
+from duet.app.ui.screens.dialogs import CodeBlockPicker
 
 
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")

@@ -6,8 +6,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, ProgressBar, Select, Sparkline, Static, Switch
 
-from app.session import WARN_SHARE, Readout
-from engine import Accept, Route
+from duet.app.session import WARN_SHARE, Readout
+from duet.engine import Accept, Route
 
 SPARKLINE_POINTS = 40
 NOTHING = "—"
