@@ -18,7 +18,7 @@ from dataclasses import dataclass
 class Benchmark:
     name: str
     help: str
-    module: str  # app.bench.<module>: add_arguments(parser) and run(args)
+    module: str  # duet.app.bench.<module>: add_arguments(parser) and run(args)
 
 
 BENCHMARKS = (
@@ -38,7 +38,7 @@ BENCHMARKS = (
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for benchmark in BENCHMARKS:
-        module = importlib.import_module(f"app.bench.{benchmark.module}")
+        module = importlib.import_module(f"duet.app.bench.{benchmark.module}")
         command = commands.add_parser(benchmark.name, help=benchmark.help)
         module.add_arguments(command)
         command.set_defaults(run=module.run)
