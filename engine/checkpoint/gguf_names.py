@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from duet.engine.checkpoint.hf import qwen3_next_rows
 from duet.engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from duet.engine.errors import CheckpointError
 from duet.engine.weights import InputOrder, take_rows
@@ -200,9 +201,9 @@ def _deltanet(c: ModelConfig, arch: str, b: str, d: str) -> list[GGUFTensor]:
     tensors = [_whole(b + "attn_qkv.weight", (channels, H), d + "in_proj_qkv.weight", rows=qkv_rows),
                _whole(b + "attn_gate.weight", (hv * dv, H), d + "in_proj_z.weight", rows=v_rows)]
     if arch == "qwen3next":
-        b_rows, a_rows = np.split(np.arange(2 * hv).reshape(hk, -1), 2, axis=1)  # [b r | a r] per key head
-        tensors.append(GGUFTensor(b + "ssm_ba.weight", (2 * hv, H), (Link(d + "in_proj_b.weight", rows=b_rows.ravel()),
-                                                                     Link(d + "in_proj_a.weight", rows=a_rows.ravel()))))
+        _, (b_rows, a_rows) = qwen3_next_rows(c)  # [b r | a r] per key head, as in HF's in_proj_ba
+        tensors.append(GGUFTensor(b + "ssm_ba.weight", (2 * hv, H), (Link(d + "in_proj_b.weight", rows=b_rows),
+                                                                     Link(d + "in_proj_a.weight", rows=a_rows))))
     else:
         tensors += [_whole(b + "ssm_beta.weight", (hv, H), d + "in_proj_b.weight", rows=heads),
                     _whole(b + "ssm_alpha.weight", (hv, H), d + "in_proj_a.weight", rows=heads)]
