@@ -39,8 +39,7 @@ def assemble(weights: ModelWeights, route: str, host_tables: bool = False, ops=C
             norm=get.norm("mtp.norm.weight"),
         )
     embed = ops.embedding(weights("embed_tokens.weight"), lm_head if c.tie_word_embeddings else None)
-    return Model(c, embed, layers, get.norm("norm.weight"), lm_head, mtp,
-                 draft_head, ops)
+    return Model(c, embed, layers, get.norm("norm.weight"), lm_head, mtp, draft_head, ops)
 
 
 class Linears:

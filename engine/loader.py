@@ -49,13 +49,13 @@ class LoadedModel:
 
         Between the two quantized routes only the Linear wrappers change; the `bf16` route of a
         quantized checkpoint dequantizes every matrix to fp32 (memory x8 of the packed form). The
-        op set frees the old route's weights first where it must (the GPU: the card never holds both).
+        old route's layers go first, so memory never holds both routes.
         """
         if route == self.route:
             return
         if route not in self.routes or self.weights is None:
             raise DuetError(f"{self.name} cannot run the {route} route; it runs {' or '.join(self.routes)}")
-        self.model.ops.free_weights(self.model)
+        self.model.drop_weights()
         self.model.take_weights(assemble(self.weights, route, self.host_tables, self.model.ops))
         self.route = route
 

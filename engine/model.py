@@ -162,6 +162,11 @@ class Model:
         self.draft_head = draft_head  # logits over the draft shortlist (engine/heads.py); None: lm_head
         threads.start()
 
+    def drop_weights(self) -> None:
+        """Let go of the layers and heads before another route's are assembled, so memory (the card's,
+        on the GPU) never holds both routes. take_weights makes the model usable again."""
+        self.embed = self.layers = self.norm = self.lm_head = self.mtp = self.draft_head = None
+
     def take_weights(self, other: Model) -> None:
         """Run from now on with other's layers and heads (the same checkpoint under another route).
 

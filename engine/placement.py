@@ -30,6 +30,7 @@ from duet.engine.backend import MAX_ROWS
 from duet.engine.cache import Q4_GROUP, RECENT_ROWS, SINK_ROWS
 from duet.engine.checkpoint.headers import CheckpointHeaders
 from duet.engine.checkpoint.safetensors import TensorInfo
+from duet.engine.choices import KVCache
 from duet.engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from duet.engine.errors import CheckpointError
 from duet.engine.heads import RESCORE_CANDIDATES, SHORTLIST_ROWS
@@ -45,7 +46,7 @@ PREFILL_CHUNK = 512  # prompt tokens a prefill step takes; the activation worksp
 RUNTIME_RESERVE = 512 * MiB  # CUDA context, cuBLAS/NVRTC modules and allocator slack, never ours to use
 DEFAULT_ETA = 0.84  # share of peak bandwidth reached: the seed's 57.8 tok/s x 13.55 GB over 936 GB/s
 DEFAULT_DEPTH = 3  # MTP drafts a cycle when the checkpoint has an MTP head (the seed's "three times")
-KV_TYPES = ("bf16", "q8", "q4")
+KV_TYPES = tuple(KVCache)  # bf16, q8, q4: the order plans try them in
 
 # Kinds of tensor. The first six make up the decoder weights.
 ATTENTION, DELTANET, MLP, EXPERTS, SHARED, NORMS = (

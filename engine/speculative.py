@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from duet.engine.choices import Accept, Draft
 from duet.engine.errors import DuetError
 from duet.engine.model import Model
 from duet.engine.sampling import Sampler, probabilities, process_logits
 
-EXACT, LOSSY = "exact", "lossy"
-DRAFTERS = ("auto", "mtp", "ngram", "none")
+EXACT, LOSSY = Accept.EXACT, Accept.LOSSY
+DRAFTERS = tuple(Draft)  # the words of engine/choices.py
 START_DEPTH = 3
 
 

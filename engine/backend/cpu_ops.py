@@ -284,14 +284,8 @@ class CpuOps:
     def shortlist_head(self, linear, ids: np.ndarray, vocab: int) -> ShortlistHead:
         return ShortlistHead(linear, ids, vocab)
 
-    # ---- a route switch (engine.loader.LoadedModel.use_route)
-
-    def free_weights(self, model) -> None:
-        """Before the other route's weights are assembled; host memory holds both, as it holds the
-        stored tensors anyway."""
-
     def weights_taken(self) -> None:
-        """After Model.take_weights."""
+        """After Model.take_weights (a route switch): nothing on the CPU depends on the old weights."""
 
     # ---- states
 

@@ -193,16 +193,11 @@ class GpuOps:
     def shortlist_head(self, linear, ids: np.ndarray, vocab: int) -> GpuShortlistHead:
         return GpuShortlistHead(linear, ids, vocab)
 
-    # ---- a route switch
-
-    def free_weights(self, model) -> None:
-        """Drop the model's device weights before the other route's are made: the card never holds both."""
-        model.embed = model.layers = model.norm = model.lm_head = model.draft_head = model.mtp = None
-        self._last_graph = None
-
     def weights_taken(self) -> None:
+        """After Model.take_weights (a route switch): graphs of the old weights are never replayed."""
         self.version += 1
         self.warm = set()  # the new route's kernels have not run yet
+        self._last_graph = None
 
     # ---- states
 
