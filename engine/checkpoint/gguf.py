@@ -19,6 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
 from duet.engine.checkpoint.gguf_names import EOS_KEY, GGUFTensor, Link, check_architecture, gguf_config, gguf_tensors
+from duet.engine.checkpoint.hf import checkpoint_name
 from duet.engine.checkpoint.safetensors import TensorInfo, bf16_to_f32
 from duet.engine.errors import CheckpointError
 from duet.engine.quant.gguf_blocks import CODECS, SUPPORTED_TYPES, BlockMatrix
@@ -205,11 +206,6 @@ class GGUFCheckpoint:
 
     def _load(self, tensor: GGUFTensor, link: Link):
         return link.from_gguf(self._stored(tensor, link.expert))
-
-
-def checkpoint_name(key: str) -> str:
-    """The HF name TensorPlan looks for: text-only checkpoints prefix the model's tensors with `model.`."""
-    return key if key.startswith(("mtp.", "lm_head.")) else "model." + key
 
 
 class QuantizedView:

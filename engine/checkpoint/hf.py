@@ -39,6 +39,12 @@ def read_weights(ckpt: SafetensorsCheckpoint, config: ModelConfig, progress: Pro
     return ModelWeights(config, tensors, plan.has_mtp, plan.fused_experts)
 
 
+def checkpoint_name(key: str, prefix: str = "model.") -> str:
+    """Checkpoint name of a model tensor (`layers.3.mlp.down_proj.weight`): prefixed, but `mtp.` and
+    `lm_head.` names as they are."""
+    return key if key.startswith(("mtp.", "lm_head.")) else prefix + key
+
+
 class TensorPlan:
     """Which checkpoint tensors the model needs, with the shape each must have."""
 
@@ -55,8 +61,7 @@ class TensorPlan:
         self._check_headers()
 
     def name(self, key: str) -> str:
-        """Checkpoint name of a model tensor (`layers.3.mlp.down_proj.weight`), or an `mtp.` name as is."""
-        return key if key.startswith(("mtp.", "lm_head.")) else self.prefix + key
+        return checkpoint_name(key, self.prefix)
 
     def head_name(self) -> str:
         return self.name(HEAD_KEY[self.config.tie_word_embeddings])

@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from duet.app.cli import main
 from conftest import build_reference, randomize, save_reference, split_fused_experts
-from duet.engine.checkpoint.gguf import GGUFCheckpoint, checkpoint_name
+from duet.engine.checkpoint.gguf import GGUFCheckpoint
 from duet.engine.checkpoint.gguf_names import AS_STORED, GGUF_ARCHITECTURE, gguf_tensors
-from duet.engine.checkpoint.hf import TensorPlan
+from duet.engine.checkpoint.hf import TensorPlan, checkpoint_name
 from duet.engine.weights import InputOrder
 from test_gguf_files import qwen3_next_reference, source_tensors
 
