@@ -311,8 +311,8 @@ def write_gguf(src: Path, dst: Path, config: ModelConfig, ckpt: SafetensorsCheck
     writer = gguf.GGUFWriter(str(dst), arch)
     write_gguf_metadata(writer, config, arch, src.name, qtype, plan.has_mtp)
     vocabulary.write(writer)
-    for tensor in tensors:
-        kind = gguf_type(tensor, qtype)
+    kinds = [gguf_type(tensor, qtype) for tensor in tensors]
+    for tensor, kind in zip(tensors, kinds):
         if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             dtype = np.dtype(np.float32 if kind == gguf.GGMLQuantizationType.F32 else np.float16)
             writer.add_tensor_info(tensor.name, tensor.shape, dtype, int(np.prod(tensor.shape)) * dtype.itemsize)
@@ -323,8 +323,8 @@ def write_gguf(src: Path, dst: Path, config: ModelConfig, ckpt: SafetensorsCheck
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     read = ModelTensors(ckpt, plan)
-    for tensor in tensors:
-        writer.write_tensor_data(gguf_data(tensor.from_model(read), gguf_type(tensor, qtype)))
+    for tensor, kind in zip(tensors, kinds):
+        writer.write_tensor_data(gguf_data(tensor.from_model(read), kind))
     writer.close()
     return len(tensors)
 
