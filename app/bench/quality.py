@@ -9,7 +9,7 @@ import json
 import numpy as np
 
 from duet.app.bench.common import positive_int
-from duet.engine.loader import load_model
+from duet.engine.loader import load_model, open_model
 from duet.engine.model import Model
 
 QUALITY_TEXT = (
@@ -32,10 +32,11 @@ def run(args: argparse.Namespace) -> int:
     reference = load_model(args.model)
     ids = reference.tokenizer.encode(QUALITY_TEXT)[: args.tokens]
     expected = forward_logits(reference.model, ids)
-    routes = load_model(args.vs).routes
+    opened = open_model(args.vs, tokenizer=False)  # headers only: which routes B runs
+    opened.checkpoint.close()
     result = {"benchmark": "quality", "model": str(reference.path), "reference_route": reference.route,
               "vs": args.vs, "tokens": len(ids), "routes": {}}
-    for route in routes:
+    for route in opened.routes:
         candidate = load_model(args.vs, route=route)
         result["routes"][route] = distribution_agreement(expected, forward_logits(candidate.model, ids))
     print(json.dumps(result) if args.json else quality_table(result))
