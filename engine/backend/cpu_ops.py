@@ -254,8 +254,6 @@ def unit_lower_inverse(L: np.ndarray, keep: np.ndarray) -> np.ndarray:
 class CpuOps:
     """engine/model.py's layers on numpy. Positions are plain ints: the position of a call's first row."""
 
-    name = "cpu"
-
     # ---- assembly: stored tensors -> what the layers hold
 
     def linear(self, weight, route: str):

@@ -148,8 +148,6 @@ class GpuOps:
     since (loaded, cuBLAS set up); `graphable` turns capture off (a refused capture sets it, with
     `graph_error` saying why)."""
 
-    name = "cupy"
-
     def __init__(self, config: ModelConfig):
         # engine.backend.cpu_ops.rope_tables' inv_freq, the same fp32 expression
         self.inv_freq = _dev(1.0 / config.rope_theta ** (np.arange(0, config.rotary_dim, 2, dtype=np.float32)
