@@ -329,8 +329,7 @@ def write_gguf(src: Path, dst: Path, config: ModelConfig, ckpt: SafetensorsCheck
     return len(tensors)
 
 
-OUTPUT_HEAD = "output.weight"
-TABLES = ("token_embd.weight", OUTPUT_HEAD)
+TABLES = ("token_embd.weight", "output.weight")  # the embedding and the output head
 
 
 def gguf_type(tensor, qtype):
