@@ -12,7 +12,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, TextArea
 
 from duet.app.session import sampling_params
-from duet.app.settings import Config
+from duet.app.settings import FRESH_SEED, Config
 from duet.engine import DuetError
 
 SHOWN_CODE_CHARS = 60
@@ -132,7 +132,7 @@ class ReplySettings(Dialog):
                 for name in SAMPLING_FIELDS:
                     yield Label(name.replace("_", " "))
                     yield Input(str(getattr(self.config, name)), id=name)
-            yield Label("seed -1: a fresh seed each reply; temperature 0: greedy", classes="hint")
+            yield Label(f"seed {FRESH_SEED}: a fresh seed each reply; temperature 0: greedy", classes="hint")
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
