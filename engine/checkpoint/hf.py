@@ -54,7 +54,6 @@ class TensorPlan:
         names = ckpt.names()
         self.prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
         self.expected: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape
-        self.keys: dict[str, str] = {}  # checkpoint name -> model key
         self.fused_experts = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
         self.has_mtp = config.mtp_num_hidden_layers > 0 and ("mtp.fc.weight" in ckpt or "mtp.fc.weight" in self.quantized)
         self._plan_model()
@@ -78,7 +77,6 @@ class TensorPlan:
 
     def need(self, key: str, *shape: int) -> None:
         self.expected[self.name(key)] = tuple(shape)
-        self.keys[self.name(key)] = key
 
     def _plan_model(self) -> None:
         c = self.config
@@ -174,7 +172,8 @@ class TensorPlan:
         total = sum(self.nbytes(n) for n in self.expected)
         done, out = 0, {}
         for name in self.expected:
-            out[self.keys[name]] = self.quantized.read(name) if name in self.quantized else self.ckpt.read_f32(name)
+            key = name.removeprefix(self.prefix)  # the model key: name() undone
+            out[key] = self.quantized.read(name) if name in self.quantized else self.ckpt.read_f32(name)
             done += self.nbytes(name)
             if progress:
                 progress(done, total)
