@@ -13,9 +13,8 @@ from duet.engine.backend.cpu_ops import CPU
 from duet.engine.config import FULL_ATTENTION, ModelConfig
 from duet.engine.heads import RescoredHead, shortlist_ids
 from duet.engine.model import MLP, Attention, DecoderLayer, DeltaNet, Model, MoE, MTPHead
-from duet.engine.weights import ModelWeights, row_runs, take_rows
+from duet.engine.weights import HEAD_KEY, ModelWeights, row_runs, take_rows
 
-HEAD_KEY = {True: "embed_tokens.weight", False: "lm_head.weight"}  # by tie_word_embeddings
 
 
 def assemble(weights: ModelWeights, route: str, host_tables: bool = False, ops=CPU) -> Model:

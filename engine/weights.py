@@ -21,6 +21,8 @@ from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.trellis import TrellisWeight
 from duet.engine.quant.w4 import W4Weight
 
+HEAD_KEY = {True: "embed_tokens.weight", False: "lm_head.weight"}  # the output head's model key, by tie_word_embeddings
+
 
 @dataclass(frozen=True)
 class InputOrder:

@@ -17,10 +17,9 @@ from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
 from duet.engine.config import FULL_ATTENTION, ModelConfig
 from duet.engine.errors import CheckpointError
 from duet.engine.quant.w4 import GROUP
-from duet.engine.weights import ModelWeights, take_rows
+from duet.engine.weights import HEAD_KEY, ModelWeights, take_rows
 
 Progress = Callable[[int, int], None]  # (bytes read so far, bytes to read)
-HEAD_KEY = {True: "embed_tokens.weight", False: "lm_head.weight"}  # by tie_word_embeddings
 
 
 def read_weights(ckpt: SafetensorsCheckpoint, config: ModelConfig, progress: Progress | None = None,
