@@ -6,22 +6,33 @@ class that also checks the cancel flag. Each file is checked against the hub's s
 (LFS files) or git blob id (small files); only when every file passes is the folder moved into the
 models dir under its final name. Any failure or cancel removes the staging folder.
 
+Resuming: when a connection drops mid-file, huggingface_hub asks again with `Range: bytes=N-` for
+the bytes it has not written yet, within the same pull. It does not resume across processes: each
+transfer writes a process-unique `.incomplete` file (huggingface_hub 2.x, PR #4228), so a pull
+that was killed leaves only its staging folder, which the next pull clears and starts over.
+
+Repo file names are checked before anything is written: no absolute, drive or `..` paths, no
+backslashes or NUL, nothing in huggingface_hub's own `.cache` folder. A full disk or any other
+write error is one line that says what to do, never a traceback.
+
 The token comes from HF_TOKEN as huggingface_hub reads it; duet never logs or stores it.
 """
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import hashlib
 import os
+import re
 import shutil
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PureWindowsPath
 
-from duet.app.catalog import LocalModel, folder_name, folder_size, hf_cache_dir, new_staging_dir
+from duet.app.catalog import LocalModel, folder_name, folder_size, hf_cache_dir, human_size, new_staging_dir
 from duet.engine.errors import DuetError
 
 MODEL_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.md", "*.gguf", "*.model", "*.py")
@@ -100,8 +111,12 @@ def download_model(model: RemoteModel, models_dir: Path, report: Callable[[Downl
     from huggingface_hub import hf_hub_download
 
     target = models_dir / folder_name(model.repo)
+    if target.is_symlink() and not target.exists():  # the rename at the end cannot replace it
+        raise DuetError(f"{target}: a broken link is in the way; remove it, then pull again")
     if target.exists():
         raise DuetError(f"{target}: already downloaded; delete it first to download again")
+    for remote in model.files:
+        check_repo_path(model.repo, remote.name)
     check_free_space(models_dir, model.size)
     cancel = cancel or threading.Event()
     staging = new_staging_dir(models_dir, target.name)
@@ -115,7 +130,7 @@ def download_model(model: RemoteModel, models_dir: Path, report: Callable[[Downl
             except DownloadCancelled:
                 raise
             except Exception as error:
-                raise hub_error(error, model.repo) from None
+                raise transfer_error(error, remote, model, models_dir) from None
             verify_file(staging / "model" / remote.name, remote)
             tracker.end_file(remote)
         shutil.rmtree(staging / "model" / ".cache", ignore_errors=True)  # huggingface_hub's resume metadata
@@ -126,9 +141,10 @@ def download_model(model: RemoteModel, models_dir: Path, report: Callable[[Downl
 
 
 def check_repo_path(repo: str, name: str) -> None:
-    """A repo's file names stay inside its folder."""
-    path = PurePosixPath(name)
-    if path.is_absolute() or ".." in path.parts or "\\" in name or not name:
+    """A repo's file names stay inside its folder, read as POSIX or Windows paths, and out of huggingface_hub's."""
+    parts = name.split("/")
+    if (not name or "\\" in name or "\0" in name or parts[0] == ".cache"
+            or any(part in ("", ".", "..") or PureWindowsPath(part).anchor for part in parts)):
         raise DuetError(f"{repo}: file name {name!r} points outside the model folder; refusing to download it")
 
 
@@ -156,6 +172,33 @@ def verify_file(path: Path, remote: RemoteFile) -> None:
             digest.update(chunk)
     if digest.hexdigest() != expected:
         raise DuetError(f"{remote.name}: content does not match the hub's hash; the transfer was corrupted, download again")
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+SIZE_CHECK = re.compile(r"Consistency check failed: file should be of size (\d+) but has size (\d+)")
+
+
+def transfer_error(error: Exception, remote: RemoteFile, model: RemoteModel, models_dir: Path) -> DuetError:
+    """One line for a file that failed: what the hub or network said, a write that failed, or the wrong size."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    if not isinstance(error, OSError) or isinstance(error, (HfHubHTTPError, LocalEntryNotFoundError, ConnectionError,
+                                                            TimeoutError)):
+        return hub_error(error, model.repo)
+    needs = f"the download needs {human_size(model.size)} there"
+    if error.errno in DISK_FULL:
+        return DuetError(f"{models_dir}: the disk filled up while writing {remote.name}; {needs}; "
+                         "free some space or delete a model, then pull again; nothing was kept")
+    if error.errno == errno.EFBIG:
+        return DuetError(f"{models_dir}: {remote.name} is larger than this system lets a file grow (ulimit -f or "
+                         f"the filesystem's limit); {needs}; raise the limit or choose another models folder; "
+                         "nothing was kept")
+    if match := SIZE_CHECK.search(str(error)):
+        return DuetError(f"{remote.name}: the hub announced {int(match[1]):,} bytes and sent {int(match[2]):,}; "
+                         "the transfer was cut or corrupted, download again")
+    reason = error.strerror or type(error).__name__
+    return DuetError(f"{models_dir}: cannot write {remote.name} ({reason}); check that the folder is writable "
+                     "and has room, then pull again; nothing was kept")
 
 
 def hub_error(error: Exception, repo: str) -> DuetError:
