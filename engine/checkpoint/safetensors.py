@@ -120,7 +120,7 @@ def parse_header_bytes(source: str | Path, header_bytes: bytes, size: int) -> tu
     header_len = len(header_bytes)
     try:
         header = json.loads(header_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # bad JSON or UTF-8, an integer of 5000 digits, arrays nested 10^5 deep
         raise CheckpointError(source, "header is not valid JSON; the file is corrupt, re-download it") from None
     if not isinstance(header, dict):
         raise CheckpointError(source, "header is not a JSON object; the file is corrupt, re-download it")
@@ -208,5 +208,5 @@ def shard_names(source: str | Path, index_bytes: bytes) -> list[str]:
     try:
         weight_map = json.loads(index_bytes)["weight_map"]
         return sorted({str(shard) for shard in weight_map.values()})
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError):
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
         raise CheckpointError(source, "index is not valid JSON with a weight_map; re-download the model") from None
