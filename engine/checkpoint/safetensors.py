@@ -137,11 +137,11 @@ def _tensor_info(path: str | Path, name: str, entry, data_start: int, size: int)
     if not isinstance(entry, dict):
         raise bad("header entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:  # a list is no dict key
         raise CheckpointError(path, f"tensor {name}: dtype {dtype!r} is not supported")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):  # JSON true is no size
         raise bad(f"invalid shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
         raise bad(f"invalid data_offsets {offsets!r}")
     begin, end = offsets
     if end - begin != math.prod(shape) * DTYPES[dtype].itemsize or begin < 0:
