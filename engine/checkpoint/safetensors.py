@@ -127,6 +127,7 @@ def parse_header_bytes(source: str | Path, header_bytes: bytes, size: int) -> tu
     metadata = header.pop("__metadata__", None) or {}
     data_start = 8 + header_len
     tensors = {name: _tensor_info(source, name, entry, data_start, size) for name, entry in header.items()}
+    _check_disjoint(source, tensors)
     return tensors, {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
 
 
@@ -149,6 +150,15 @@ def _tensor_info(path: str | Path, name: str, entry, data_start: int, size: int)
     if data_start + end > size:
         raise CheckpointError(path, f"tensor {name} ends past the end of the file: the file is truncated, re-download it")
     return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _check_disjoint(source: str | Path, tensors: dict[str, TensorInfo]) -> None:
+    """The format lays tensors end to end: two that share a byte mean a corrupt (or crafted) header."""
+    spans = sorted(tensors.values(), key=lambda t: (t.begin, t.end))
+    for first, second in zip(spans, spans[1:]):
+        if second.begin < first.end:
+            raise CheckpointError(source, f"tensors {first.name} and {second.name} overlap in the data; "
+                                          "the file is corrupt, re-download it")
 
 
 class SafetensorsCheckpoint:
