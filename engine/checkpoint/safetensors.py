@@ -198,6 +198,8 @@ def _shard_paths(model_dir: Path) -> list[Path]:
     if index.exists():
         paths = []
         for shard in shard_names(index, index.read_bytes()):
+            if "\0" in shard:  # the OS cannot even look such a name up
+                raise CheckpointError(index, f"shard {shard!r} is not a file name; the index is corrupt, re-download the model")
             path = (model_dir / shard).resolve()
             if model_dir.resolve() not in path.parents:
                 raise CheckpointError(index, f"shard {shard!r} points outside the model folder; refusing to read it")
