@@ -110,8 +110,11 @@ def parse_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 def header_length(source: str | Path, prefix: bytes, size: int) -> int:
     """The header length that the first 8 bytes of a file of `size` bytes announce, checked."""
     header_len = int.from_bytes(prefix, "little")
-    if header_len > min(MAX_HEADER_BYTES, size - 8):
+    if header_len > size - 8:
         raise CheckpointError(source, "header length runs past the end of the file; the file is truncated or not safetensors")
+    if header_len > MAX_HEADER_BYTES:
+        raise CheckpointError(source, f"header length {header_len} is over {MAX_HEADER_BYTES >> 20} MiB, more than any "
+                                      "model's; the file is corrupt or not safetensors")
     return header_len
 
 
