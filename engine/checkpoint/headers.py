@@ -27,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from duet.engine.checkpoint.gguf_names import gguf_config
 from duet.engine.checkpoint.safetensors import (
+    MAX_HEADER_BYTES,
     SafetensorsCheckpoint,
     TensorInfo,
     header_length,
@@ -88,8 +89,7 @@ def _local_gguf(first: Path, source: str) -> CheckpointHeaders:
     paths = [first.parent / name for name in _split_gguf_names(first.name, lambda name: (first.parent / name).exists(), first)]
     tensors, metadata = {}, None
     for path in paths:
-        with open(path, "rb", buffering=1 << 20) as handle:
-            found, meta = parse_gguf_header(_FileStream(handle, str(path)), str(path), path.stat().st_size)
+        found, meta = read_gguf_header(path)
         tensors.update(found)
         metadata = metadata or meta  # the first file of a split carries the model's keys
     config = gguf_config(metadata, _shapes(tensors), str(first))
@@ -121,20 +121,42 @@ def _split_gguf_names(name: str, exists, where) -> list[str]:
     return names
 
 
+def read_gguf_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
+    """The tensors and metadata of a local GGUF file, every length and offset checked against the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb", buffering=1 << 16) as handle:
+            return parse_gguf_header(_FileStream(handle, str(path), size), str(path), size)
+    except OSError as exc:
+        raise CheckpointError(path, f"cannot read the file ({exc.strerror})") from None
+
+
 class _FileStream:
     """Sequential reads over an open file that fail with one line when the file ends early."""
 
-    def __init__(self, handle, source: str):
-        self.handle, self.source = handle, source
+    def __init__(self, handle, source: str, size: int):
+        self.handle, self.source, self.size, self.pos = handle, source, size, 0
 
     def read(self, n: int) -> bytes:
+        _check_within(self.source, self.pos + n, self.size)
         data = self.handle.read(n)
         if len(data) < n:
             raise CheckpointError(self.source, "file ends inside its GGUF header; it is truncated, re-download it")
+        self.pos += n
         return data
 
     def tell(self) -> int:
-        return self.handle.tell()
+        return self.pos
+
+
+def _check_within(source: str, end: int, size: int) -> None:
+    """Before a read up to byte `end` of a GGUF header: a length the file cannot hold (a string of 2^60
+    bytes) is refused here, before anything is allocated or fetched."""
+    if end > size:
+        raise CheckpointError(source, "file ends inside its GGUF header; it is truncated, re-download it")
+    if end > MAX_HEADER_BYTES:
+        raise CheckpointError(source, f"GGUF header runs past {MAX_HEADER_BYTES >> 20} MiB, more than any model's; "
+                                      "the file is corrupt, re-download it")
 
 
 # --- GGUF header --------------------------------------------------------------------------------------
@@ -429,11 +451,11 @@ class _RangeStream:
             raise DuetError(f"{hub.where(filename)}: the server did not say how large the file is")
 
     def read(self, n: int) -> bytes:
+        _check_within(self.hub.where(self.filename), self.pos + n, self.size)
         while self.pos + n > len(self.data):
-            if len(self.data) >= self.size:
-                raise CheckpointError(self.hub.where(self.filename), "file ends inside its GGUF header; it is truncated")
             self.block = min(2 * self.block, MAX_BLOCK)
-            more, _ = self.hub.read_range(self.filename, len(self.data), max(self.block, n))
+            wanted = min(max(self.block, self.pos + n - len(self.data)), self.size - len(self.data))
+            more, _ = self.hub.read_range(self.filename, len(self.data), wanted)
             if not more:
                 raise CheckpointError(self.hub.where(self.filename), "the server sent nothing for a range inside the file")
             self.data += more
