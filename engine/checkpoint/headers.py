@@ -217,6 +217,8 @@ def _value(stream, vtype: int, source: str):
     if vtype != GGUF_ARRAY:
         raise CheckpointError(source, f"GGUF value type {vtype} is unknown; the file is corrupt or too new")
     item_type, count = _scalar(stream, 4), _count(stream, source)
+    if item_type not in GGUF_SCALARS and item_type != GGUF_STRING:  # llama.cpp reads no arrays of arrays either
+        raise CheckpointError(source, f"GGUF array of value type {item_type} is not supported; the file is corrupt or too new")
     if count <= KEEP_ARRAY_ITEMS:
         return [_value(stream, item_type, source) for _ in range(count)]
     _skip_items(stream, item_type, count, source)
@@ -224,15 +226,12 @@ def _value(stream, vtype: int, source: str):
 
 
 def _skip_items(stream, item_type: int, count: int, source: str) -> None:
-    """Read past a long array (a token list, merges) without decoding it."""
-    if item_type in GGUF_SCALARS:
-        stream.read(count * struct.calcsize(GGUF_SCALARS[item_type]))
-    elif item_type == GGUF_STRING:
+    """Read past a long array of scalars or strings (a token list, merges) without decoding it."""
+    if item_type == GGUF_STRING:
         for _ in range(count):
             stream.read(_count(stream, source))
     else:
-        for _ in range(count):
-            _value(stream, item_type, source)
+        stream.read(count * struct.calcsize(GGUF_SCALARS[item_type]))
 
 
 def _tensor_entry(stream, source: str) -> tuple[str, tuple[int, ...], int, int]:
