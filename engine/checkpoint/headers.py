@@ -180,10 +180,12 @@ def parse_gguf_header(stream, source: str, size: int) -> tuple[dict[str, TensorI
     metadata = {}
     for _ in range(n_keys):
         key = _string(stream, source)
+        if key in metadata:
+            raise CheckpointError(source, f"GGUF key {key} appears twice; the file is corrupt, re-download it")
         metadata[key] = _value(stream, _scalar(stream, 4), source)
     entries = [_tensor_entry(stream, source) for _ in range(n_tensors)]
     alignment = metadata.get("general.alignment", 32)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
         raise CheckpointError(source, f"general.alignment {alignment!r} is not a power of two; the file is corrupt")
     data_start = -(-stream.tell() // alignment) * alignment
     return _place_tensors(entries, data_start, size, alignment, source), metadata
@@ -244,21 +246,28 @@ def _tensor_entry(stream, source: str) -> tuple[str, tuple[int, ...], int, int]:
 
 
 def _place_tensors(entries, data_start: int, size: int, alignment: int, source: str) -> dict[str, TensorInfo]:
-    """TensorInfo per entry. A type the gguf package does not know (a custom trellis type) is sized by
-    the distance to the next tensor's offset, which is its size plus at most the alignment padding."""
-    ends = sorted({offset for *_, offset in entries}) + [size - data_start]
-    next_offset = {begin: end for begin, end in zip(ends, ends[1:])}
+    """TensorInfo per entry (in the file's order), each ending before the next offset: no two overlap. A
+    type the gguf package does not know (a custom trellis type) is sized by the distance to the next
+    tensor's offset, which is its size plus at most the alignment padding."""
+    names = [name for name, *_ in entries]
+    seen = set()
+    for name in names:
+        if name in seen:
+            raise CheckpointError(source, f"tensor {name} appears twice; the file is corrupt, re-download it")
+        seen.add(name)
+    by_offset = sorted(entries, key=lambda entry: entry[3])
+    limits = [offset for *_, offset in by_offset[1:]] + [size - data_start]
     tensors = {}
-    for name, dims, ggml_type, offset in entries:
+    for (name, dims, ggml_type, offset), limit in zip(by_offset, limits):
         if offset % alignment or data_start + offset > size:
             raise CheckpointError(source, f"tensor {name} has offset {offset}, outside the file or unaligned; the file is truncated or corrupt")
-        room = next_offset[offset] - offset
+        room = limit - offset
         dtype, nbytes = _ggml_size(name, dims, ggml_type, room, source)
         if nbytes > room:
-            raise CheckpointError(source, f"tensor {name} runs past the next tensor or the end of the file; the file is truncated or corrupt")
+            raise CheckpointError(source, f"tensor {name} runs into the next tensor or past the end of the file; the file is truncated or corrupt")
         begin = data_start + offset
         tensors[name] = TensorInfo(name, dtype, tuple(reversed(dims)), begin, begin + nbytes)
-    return tensors
+    return {name: tensors[name] for name in names}
 
 
 def _shapes(tensors: dict[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
