@@ -314,7 +314,7 @@ def _remote_safetensors(hub: Hub, spec: str, files: set[str]) -> CheckpointHeade
     config_bytes = hub.read_whole("config.json")
     try:
         raw = json.loads(config_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # bad JSON or UTF-8, a 5000-digit integer, arrays nested 10^5 deep
         raise CheckpointError(hub.where("config.json"), "config.json is not valid JSON") from None
     if not isinstance(raw, dict):
         raise CheckpointError(hub.where("config.json"), "config.json must hold a JSON object")
@@ -387,9 +387,12 @@ class Hub:
         url = f"{self.endpoint}/api/models/{self.repo}/revision/{quote(self.revision, safe='')}"
         body, _ = self._get(url, self.repo, None, MAX_JSON_BYTES)  # a listing past this is cut and fails to parse
         try:
-            return {s["rfilename"] for s in json.loads(body)["siblings"]}
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-            raise DuetError(f"{self.repo}: {self.endpoint} answered the file listing with something that is not the hub's JSON") from None
+            names = {s["rfilename"] for s in json.loads(body)["siblings"]}
+            if all(isinstance(name, str) for name in names):
+                return names
+        except (ValueError, RecursionError, KeyError, TypeError):
+            pass
+        raise DuetError(f"{self.repo}: {self.endpoint} answered the file listing with something that is not the hub's JSON")
 
     def read_whole(self, filename: str) -> bytes:
         """A small file (config.json, the shard index), refused past MAX_JSON_BYTES."""
