@@ -19,6 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
 from duet.engine.checkpoint.gguf_names import EOS_KEY, GGUFTensor, Link, check_architecture, gguf_config, gguf_tensors
+from duet.engine.checkpoint.headers import read_gguf_header
 from duet.engine.checkpoint.hf import checkpoint_name
 from duet.engine.checkpoint.safetensors import TensorInfo, bf16_to_f32
 from duet.engine.errors import CheckpointError
@@ -232,11 +233,14 @@ class QuantizedView:
 
 
 def open_gguf(path: Path) -> GGUFReader:
-    """GGUFReader, with a truncated or malformed file reported as one line."""
+    """GGUFReader, with a truncated or malformed file reported as one line. Our own header reader checks
+    the file first: the gguf package trusts every count it reads (an array of 2^64 items loops for ever
+    past the end of the file, arrays of arrays nested 10^5 deep overflow the stack)."""
+    if not path.is_file():
+        raise CheckpointError(path, "file not found; pass --model with a .gguf file")
+    read_gguf_header(path)
     try:
         reader = GGUFReader(path)
-    except FileNotFoundError:
-        raise CheckpointError(path, "file not found; pass --model with a .gguf file") from None
     except ValueError as error:
         if "GGMLQuantizationType" in str(error):
             supported = ", ".join(t.name for t in SUPPORTED_TYPES)
