@@ -21,7 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as TokenizersBackend
 from tokenizers import models
 
-import duet.engine.tokenizer as tokenizer_module
+import duet.engine.chat_template as chat_template
 from duet.engine.errors import DuetError
 from duet.engine.tokenizer import Tokenizer
 
@@ -201,7 +201,7 @@ def test_exhaustion_stops_with_one_line_in_bounded_time(name: str, exhaustion_ou
 
 def test_work_between_steps_meets_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     # Scanning a long string costs one step however long it is; the deadline stops a loop of scans.
-    monkeypatch.setattr(tokenizer_module, "TEMPLATE_SECONDS", 0.2)
+    monkeypatch.setattr(chat_template, "TEMPLATE_SECONDS", 0.2)
     template = "{% set s = 'a' * 30000000 %}{% for i in range(100000) %}{% if 'b' in s %}{% endif %}{% endfor %}"
     with pytest.raises(DuetError, match=r"runs longer than 0\.2 s") as raised:
         render(template)
@@ -290,8 +290,8 @@ def stock_sandbox_render(template: str, messages: list[dict], **variables) -> st
     """The template as transformers-style jinja renders it, with none of duet's bounds."""
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     environment.filters["tojson"] = lambda value, **options: json.dumps(value, ensure_ascii=False, **options)
-    environment.globals.update(raise_exception=tokenizer_module._raise_exception,
-                               namespace=tokenizer_module._TemplateNamespace)
+    environment.globals.update(raise_exception=chat_template._raise_exception,
+                               namespace=chat_template._TemplateNamespace)
     return environment.from_string(template).render(messages=messages, eos_token="<|im_end|>", documents=None, **variables)
 
 
