@@ -25,12 +25,6 @@ class DuetApp(App):
         self.set_keymap(self.config.keys)
         self.push_screen(ChatScreen(self.launch))
 
-    async def action_quit(self) -> None:
-        for screen in self.screen_stack:
-            if isinstance(screen, ChatScreen):
-                screen.stop_and_wait()
-        self.exit()
-
     def on_unmount(self) -> None:
         self.store.close()
 

@@ -19,7 +19,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Label, ListView, ProgressBar, Select, Switch
-from textual.worker import get_current_worker
+from textual.worker import Worker, get_current_worker
 
 from duet.app.exports import export_conversation
 from duet.app.session import ChatSession, ContextFull, EngineHost, Launch, Readout, ReplyChunk, ReplyDone
@@ -63,14 +63,14 @@ class ChatScreen(Screen):
             self.share = share
 
     class ModelLoaded(Message):
-        def __init__(self, lm: LoadedModel):
+        def __init__(self, lm: LoadedModel, load: Worker):
             super().__init__()
-            self.lm = lm
+            self.lm, self.load = lm, load
 
     class LoadFailed(Message):
-        def __init__(self, error: str):
+        def __init__(self, error: str, load: Worker):
             super().__init__()
-            self.error = error
+            self.error, self.load = error, load
 
     def __init__(self, launch: Launch):
         super().__init__()
@@ -78,6 +78,7 @@ class ChatScreen(Screen):
         self.session: ChatSession | None = None
         self.conversation_id: int | None = None
         self.cancel: threading.Event | None = None  # set while a reply streams
+        self.loading: Worker | None = None  # the load of the model last chosen, while it runs
         self.reply_saved = threading.Event()
         self.reply_view: MessageView | None = None
 
@@ -116,28 +117,33 @@ class ChatScreen(Screen):
         self.query_one("#loading", ProgressBar).update(progress=0)
         self.query_one("#loading").display = True
         self.query_one("#model-name", Label).update(f"loading {path.name}…")
-        self.load_model_in_background(path, route)
+        self.loading = self.load_model_in_background(path, route)
 
     @work(thread=True, exclusive=True, group="load")
     def load_model_in_background(self, path: Path, route: Route) -> None:
+        load = get_current_worker()
         try:
             lm = self.host.load(path, route, lambda share: self.post_message(self.LoadProgressed(share)))
         except DuetError as error:
-            self.post_message(self.LoadFailed(str(error)))
+            self.post_message(self.LoadFailed(str(error), load))
             return
-        if not get_current_worker().is_cancelled:  # a later choice of model supersedes this one
-            self.post_message(self.ModelLoaded(lm))
+        self.post_message(self.ModelLoaded(lm, load))
 
     def on_chat_screen_load_progressed(self, message: LoadProgressed) -> None:
         self.query_one("#loading", ProgressBar).update(progress=message.share)
 
     def on_chat_screen_load_failed(self, message: LoadFailed) -> None:
+        if message.load is not self.loading:  # a later choice of model superseded this one
+            return
+        self.loading = None
         self.query_one("#loading").display = False
         self.query_one("#model-name", Label).update("no model · F3 to pick one")
         self.notify(message.error, title="Could not load the model", severity="error", timeout=10)
 
     def on_chat_screen_model_loaded(self, message: ModelLoaded) -> None:
-        host = self.host
+        if message.load is not self.loading:  # a later choice of model superseded this one
+            return
+        self.loading, host = None, self.host
         host.use(message.lm)
         self.query_one("#loading").display = False
         self.query_one("#model-name", Label).update(f"{host.lm.name} · {host.budget:,} tokens")
@@ -176,6 +182,14 @@ class ChatScreen(Screen):
         if self.streaming:
             self.notify("A reply is being written; wait for it or press Esc to stop it", severity="warning")
         return self.streaming
+
+    def refuse_without_a_model(self) -> bool:
+        """No reply while a model loads: the model chosen answers, never the one it replaces."""
+        if self.loading is not None:
+            self.notify("The model is still loading; send when it is ready", severity="warning")
+        elif self.host.lm is None:
+            self.notify("No model is loaded; press F3 to pick one", severity="warning")
+        return self.loading is not None or self.host.lm is None
 
     async def action_new_conversation(self) -> None:
         if not self.refuse_while_streaming():
@@ -226,10 +240,7 @@ class ChatScreen(Screen):
     @on(Input.Submitted, "#prompt")
     async def prompt_submitted(self, event: Input.Submitted) -> None:
         text = event.value.strip()
-        if not text or self.refuse_while_streaming():
-            return
-        if self.host.lm is None:
-            self.notify("No model is loaded yet; wait for it, or press F3 to pick one", severity="warning")
+        if not text or self.refuse_while_streaming() or self.refuse_without_a_model():
             return
         session = self.ensure_session()
         try:
@@ -316,14 +327,16 @@ class ChatScreen(Screen):
         if self.cancel is not None:
             self.cancel.set()
 
-    def stop_and_wait(self) -> None:
-        """Stop a streaming reply and wait until it is saved, marked stopped (on quit)."""
+    def on_unmount(self) -> None:
+        """The app is closing, however it was asked to (quit, or an error): stop a streaming reply and
+        wait until it is saved, marked stopped, before the app closes the store; a reply left running
+        would keep the process alive, generating for no one, until max_tokens."""
         if self.cancel is not None:
             self.cancel.set()
             self.reply_saved.wait(QUIT_WAIT_SECONDS)
 
     async def action_regenerate(self) -> None:
-        if self.refuse_while_streaming() or self.session is None:
+        if self.refuse_while_streaming() or self.refuse_without_a_model() or self.session is None:
             return
         try:
             self.session.reopen_last_turn()
@@ -400,6 +413,7 @@ class ChatScreen(Screen):
             self.app.push_screen(ModelsScreen(), self.model_chosen)
 
     def model_chosen(self, path: Path | None) -> None:
+        self.query_one("#prompt", Input).focus()  # back where the user types (the resumed screen would focus the list)
         if path is not None:
             self.start_loading(path, Route.AUTO)
 
