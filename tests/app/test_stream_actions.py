@@ -23,7 +23,7 @@ import threading
 import time
 
 import pytest
-from pilot_wait import wait_for
+from pilot_wait import record_notices, wait_for
 from textual.widgets import Input, Select
 from textual.worker import WorkerState
 
@@ -33,11 +33,9 @@ from duet.app.settings import Config, user_paths
 from duet.app.store import Store
 from duet.app.ui.app import DuetApp
 from duet.app.ui.screens.chat import ChatScreen
-from duet.app.ui.screens.dialogs import Confirm
 from duet.app.ui.screens.models import ModelsScreen
 from duet.app.ui.widgets.conversation_list import ConversationList
 from duet.app.ui.widgets.message_view import MessageView
-from duet.engine import DuetError
 
 SIZE = (140, 40)
 LONG = 2000  # tokens: far more than any test lets a reply write before it stops it
@@ -76,9 +74,7 @@ def make_app(home, endless_model):
     def make(model=None) -> DuetApp:
         launch = Launch(model or endless_model, choices=EngineChoices(draft="none"))
         app = DuetApp(home, Config(max_tokens=LONG), launch)
-        app.notes = []  # every notification's text, in order (the app's own list drops expired ones)
-        notify = app.notify
-        app.notify = lambda message, *args, **kwargs: app.notes.append(message) or notify(message, *args, **kwargs)
+        app.notices = record_notices(app)
         return app
 
     return make
@@ -128,7 +124,7 @@ def chat(app) -> ChatScreen:
 
 
 def notes(app) -> list[str]:
-    return app.notes
+    return [n.message for n in app.notices]
 
 
 def saved(app) -> dict[str, list]:

@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from pilot_wait import wait_for
+from pilot_wait import record_notices, wait_for
 from textual.widgets import Collapsible, Input, Label, Markdown, Select, Static
 
 from duet.app.settings import Config, load_config, user_paths
@@ -40,13 +40,15 @@ def make_app(tmp_path, monkeypatch, tiny_model):
 
     def make(config: Config | None = None, context: int | None = None, model=None) -> DuetApp:
         launch = Launch(model or tiny_model, context=context, choices=EngineChoices(draft="none"))
-        return DuetApp(user_paths(), config or Config(max_tokens=12), launch)
+        app = DuetApp(user_paths(), config or Config(max_tokens=12), launch)
+        app.notices = record_notices(app)
+        return app
 
     return make
 
 
 def last_note(app):
-    return list(app._notifications)[-1]
+    return app.notices[-1]
 
 
 def chat(app) -> ChatScreen:
@@ -108,8 +110,8 @@ async def test_a_model_that_fails_to_load_is_one_notification(make_app, tmp_path
     app = make_app(model=broken)
     async with app.run_test(size=SIZE) as pilot:
         screen = chat(app)
-        await wait_for(pilot, lambda: any("Could not load" in (n.title or "") for n in app._notifications))
-        (note,) = [n for n in app._notifications if n.title == "Could not load the model"]
+        await wait_for(pilot, lambda: any("Could not load" in (n.title or "") for n in app.notices))
+        (note,) = [n for n in app.notices if n.title == "Could not load the model"]
         assert "config.json" in note.message and "\n" not in note.message
         screen.query_one("#prompt", Input).value = "hello"
         await pilot.press("enter")
@@ -355,7 +357,7 @@ async def test_switching_route_and_rule_while_a_reply_streams_applies_from_the_n
         screen.query_one("#route", Select).value = "w4a8"
         await pilot.pause()
         # read before the notice can expire (5 s) while the engine gets to its next cycle on a busy machine
-        assert "from the next cycle of this reply" in "".join(n.message for n in app._notifications)
+        assert "from the next cycle of this reply" in "".join(n.message for n in app.notices)
         await wait_for(pilot, lambda: screen.host.lm.route == "w4a8")
         await pilot.press("escape")
         await wait_for(pilot, lambda: not screen.streaming)

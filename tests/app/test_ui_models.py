@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from fake_hub import FakeHub
-from pilot_wait import wait_for
+from pilot_wait import record_notices, wait_for
 from textual.widgets import DataTable, Input, Label
 
 from duet.app import catalog as catalog_module
@@ -57,7 +57,9 @@ def hub(tiny_model, tmp_path, monkeypatch):
 
 
 def make_app(model) -> DuetApp:
-    return DuetApp(user_paths(), Config(max_tokens=8), Launch(model, choices=EngineChoices(draft="none")))
+    app = DuetApp(user_paths(), Config(max_tokens=8), Launch(model, choices=EngineChoices(draft="none")))
+    app.notices = record_notices(app)
+    return app
 
 
 async def open_models(pilot) -> ModelsScreen:
@@ -80,7 +82,7 @@ def highlight(screen: ModelsScreen, table: str, name: str) -> None:
 
 
 def notes(app) -> list[str]:
-    return [n.message for n in app._notifications]
+    return [n.message for n in app.notices]
 
 
 async def test_lists_the_catalog_and_models_on_disk_and_describes_them(hub, tiny_model):
@@ -186,7 +188,7 @@ async def test_import_checks_the_folder_first(hub, tiny_model, tmp_path):
             assert isinstance(app.screen, TextPrompt)
             app.screen.query_one(Input).value = str(folder)
             await pilot.press("enter")
-            await wait_for(pilot, lambda: len(app._notifications) > 0)
+            await wait_for(pilot, lambda: len(app.notices) > 0)
             await pilot.pause(0.3)
         assert any("config.json" in n for n in notes(app))
         assert "not-a-model" not in rows(screen, "#local") and "tiny" in rows(screen, "#local")
