@@ -7,6 +7,7 @@ One plain dataclass for every supported model type. Multimodal checkpoints (`qwe
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,29 @@ MOE_TYPES = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
 SUPPORTED_TYPES = DENSE_TYPES | MOE_TYPES
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
+
+# Bounds on what a config may declare. Nothing released comes near them: the deepest models have about
+# 128 layers (Llama 3.1 405B: 126), the largest vocabulary is 262 144 (Gemma 3), the widest matrix
+# 53 248 (Llama 3.1 405B's feed-forward), the most experts 512 (Qwen3-Next), the longest context 10M
+# tokens (Llama 4 Scout). Past them a value is corruption, and believing it would build per-layer tables
+# or index arrays of its size (2^40 layer types: a hang) before a single tensor is checked.
+MAX_LAYERS = 1 << 12
+MAX_SIZE = 1 << 20
+MAX_POSITIONS = 1 << 32
+# config.json field -> (least, most) of its integer value; 0 where "none" is a valid answer
+INT_FIELDS = {
+    "vocab_size": (1, MAX_SIZE), "hidden_size": (1, MAX_SIZE), "num_hidden_layers": (1, MAX_LAYERS),
+    "num_attention_heads": (1, MAX_SIZE), "num_key_value_heads": (1, MAX_SIZE), "head_dim": (1, MAX_SIZE),
+    "linear_num_key_heads": (1, MAX_SIZE), "linear_num_value_heads": (1, MAX_SIZE),
+    "linear_key_head_dim": (1, MAX_SIZE), "linear_value_head_dim": (1, MAX_SIZE),
+    "linear_conv_kernel_dim": (1, MAX_SIZE), "intermediate_size": (0, MAX_SIZE), "num_experts": (0, MAX_SIZE),
+    "num_experts_per_tok": (0, MAX_SIZE), "moe_intermediate_size": (0, MAX_SIZE),
+    "shared_expert_intermediate_size": (0, MAX_SIZE), "max_position_embeddings": (1, MAX_POSITIONS),
+    "mtp_num_hidden_layers": (0, MAX_LAYERS), "full_attention_interval": (1, MAX_LAYERS),
+    "decoder_sparse_step": (1, MAX_LAYERS),
+}
+# float field -> (bound it must exceed, most): finite, least < value <= most
+FLOAT_FIELDS = {"rope_theta": (0.0, 1e30), "partial_rotary_factor": (0.0, 1.0), "rms_norm_eps": (0.0, 0.5)}
 
 
 @dataclass(frozen=True)
@@ -75,8 +99,9 @@ class ModelConfig:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise CheckpointError(path, "config.json is missing; point --model at a folder with config.json") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(path, f"config.json is not valid JSON ({exc}); re-download the model") from None
+        except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, a 5000-digit integer, arrays 10^5 deep
+            reason = f" ({exc})" if isinstance(exc, json.JSONDecodeError) else ""
+            raise CheckpointError(path, f"config.json is not valid JSON{reason}; re-download the model") from None
         if not isinstance(raw, dict):
             raise CheckpointError(path, "config.json must hold a JSON object; re-download the model")
         return _parse(raw, str(path))
@@ -86,27 +111,27 @@ def _parse(raw: dict, source: str) -> ModelConfig:
     top_type = raw.get("model_type")
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     model_type = text.get("model_type", top_type)
-    if top_type in SUPPORTED_TYPES and model_type not in SUPPORTED_TYPES:
+    if _supported(top_type) and not _supported(model_type):
         model_type = top_type
-    if model_type not in SUPPORTED_TYPES:
+    if not _supported(model_type):
         known = ", ".join(sorted(SUPPORTED_TYPES))
-        raise CheckpointError(source, f"unknown model_type {model_type!r}; duet runs {known}")
+        raise CheckpointError(source, f"unknown model_type {shown(model_type)}; duet runs {known}")
 
-    def need(key: str, kind=int):
+    def need(key: str):
         if key not in text:
             raise CheckpointError(source, f"missing {key!r}; the file is not a complete {model_type} config")
-        return _typed(text[key], kind, key, source)
+        return checked(text[key], key, source)
 
-    def opt(key: str, default, kind=int):
-        return _typed(text[key], kind, key, source) if text.get(key) is not None else default
+    def opt(key: str, default):
+        return checked(text[key], key, source) if text.get(key) is not None else default
 
     layers = need("num_hidden_layers")
     hidden = need("hidden_size")
     heads = need("num_attention_heads")
-    layer_types = _layer_types(text, layers, source)
+    layer_types = _layer_types(text, layers, opt("full_attention_interval", 4), source)
     rope = _rope(text, source)
     num_experts = opt("num_experts", 0)
-    moe_layers = _moe_layers(text, model_type, layers, num_experts)
+    moe_layers = _moe_layers(text, model_type, layers, num_experts, source)
 
     eos = text.get("eos_token_id", raw.get("eos_token_id"))
     eos_ids = tuple(e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int))
@@ -134,7 +159,7 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         shared_expert_intermediate_size=opt("shared_expert_intermediate_size", 0),
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
         moe_layers=moe_layers,
-        rms_norm_eps=opt("rms_norm_eps", 1e-6, float),
+        rms_norm_eps=opt("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         max_position_embeddings=opt("max_position_embeddings", 262144),
         mtp_num_hidden_layers=opt("mtp_num_hidden_layers", 0),
@@ -144,20 +169,43 @@ def _parse(raw: dict, source: str) -> ModelConfig:
     return config
 
 
-def _typed(value, kind, key: str, source: str):
-    if kind is int and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+def _supported(model_type) -> bool:
+    return isinstance(model_type, str) and model_type in SUPPORTED_TYPES  # a list is no set member
+
+
+def shown(value, limit: int = 60) -> str:
+    """repr(value), cut: a message quotes a hostile value (a 4000-digit integer, a long list) in one short line."""
+    if isinstance(value, int) and value.bit_length() > 128:  # repr of a 5000-digit int raises ValueError
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def checked(value, field: str, source: str, name: str | None = None, remedy: str = "re-download the model"):
+    """`value` of config field `field` (INT_FIELDS or FLOAT_FIELDS), checked for type and bounds; a
+    CheckpointError naming `name` (the key as the file spells it, default the field) otherwise."""
+    name = name or repr(field)
+    if field in FLOAT_FIELDS:
+        least, most = FLOAT_FIELDS[field]
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value) if abs(value) <= most else math.inf  # float(10**400) would overflow
+            if least < number <= most:
+                return number
+        raise CheckpointError(source, f"{name} is {shown(value)}, not a number above {least:g} and at most {most:g}; "
+                                      f"the file is corrupt, {remedy}")
+    least, most = INT_FIELDS[field]
+    if isinstance(value, int) and not isinstance(value, bool) and least <= value <= most:
         return value
-    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise CheckpointError(source, f"{key!r} has the invalid value {value!r}; re-download the model")
+    raise CheckpointError(source, f"{name} is {shown(value)}, not an integer from {least} to {most}; "
+                                  f"the file is corrupt, {remedy}")
 
 
-def _layer_types(text: dict, layers: int, source: str) -> tuple[str, ...]:
+def _layer_types(text: dict, layers: int, interval: int, source: str) -> tuple[str, ...]:
     types = text.get("layer_types")
     if types is None:
-        interval = text.get("full_attention_interval", 4)
         return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers))
-    if not isinstance(types, list) or len(types) != layers or not set(types) <= {FULL_ATTENTION, LINEAR_ATTENTION}:
+    if not isinstance(types, list) or len(types) != layers or \
+            not all(t in (FULL_ATTENTION, LINEAR_ATTENTION) for t in types):  # `in` a tuple: no hashing
         raise CheckpointError(source, f"layer_types must list {layers} entries of {FULL_ATTENTION}/{LINEAR_ATTENTION}")
     return tuple(types)
 
@@ -169,30 +217,36 @@ def _rope(text: dict, source: str) -> tuple[float, float]:
         raise CheckpointError(source, "rope_parameters must be a JSON object")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "mrope"):
-        raise CheckpointError(source, f"rope type {rope_type!r} is not supported; duet runs default (partial) RoPE")
+        raise CheckpointError(source, f"rope type {shown(rope_type)} is not supported; "
+                                      "duet runs default (partial) RoPE")
     theta = params.get("rope_theta", text.get("rope_theta", 10000.0))
     factor = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-    return _typed(theta, float, "rope_theta", source), _typed(factor, float, "partial_rotary_factor", source)
+    return checked(theta, "rope_theta", source), checked(factor, "partial_rotary_factor", source)
 
 
-def _moe_layers(text: dict, model_type: str, layers: int, num_experts: int) -> tuple[bool, ...]:
+def _moe_layers(text: dict, model_type: str, layers: int, num_experts: int, source: str) -> tuple[bool, ...]:
     if model_type in DENSE_TYPES or num_experts == 0:
         return (False,) * layers
     if model_type == "qwen3_next":
-        step = text.get("decoder_sparse_step", 1) or 1
-        dense = set(text.get("mlp_only_layers") or [])
+        step = checked(text.get("decoder_sparse_step") or 1, "decoder_sparse_step", source)
+        dense = text.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(type(i) is int for i in dense):
+            raise CheckpointError(source, f"mlp_only_layers is {shown(dense)}, not a list of layer numbers; "
+                                          "the file is corrupt, re-download the model")
         return tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
     return (True,) * layers
 
 
 def _check_geometry(c: ModelConfig, source: str) -> None:
     problems = []
+    if c.head_dim < 1:
+        problems.append("hidden_size is smaller than num_attention_heads, and no head_dim is given")
     if c.num_attention_heads % max(c.num_key_value_heads, 1):
         problems.append("num_attention_heads is not a multiple of num_key_value_heads")
     if c.linear_num_value_heads % max(c.linear_num_key_heads, 1):
         problems.append("linear_num_value_heads is not a multiple of linear_num_key_heads")
-    if c.rotary_dim % 2 or c.rotary_dim > c.head_dim:
-        problems.append("partial_rotary_factor gives an odd or oversized rotary dimension")
+    if c.rotary_dim % 2 or c.rotary_dim > c.head_dim or (c.head_dim and not c.rotary_dim):
+        problems.append("partial_rotary_factor gives an odd, zero or oversized rotary dimension")
     if c.is_moe and not (0 < c.num_experts_per_tok <= c.num_experts):
         problems.append("num_experts_per_tok must be between 1 and num_experts")
     if not c.is_moe and c.intermediate_size <= 0:

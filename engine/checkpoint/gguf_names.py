@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from duet.engine.checkpoint.hf import qwen3_next_rows
-from duet.engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from duet.engine.config import FULL_ATTENTION, LINEAR_ATTENTION, MAX_SIZE, ModelConfig, checked, shown
 from duet.engine.errors import CheckpointError
 from duet.engine.weights import InputOrder, take_rows
 
@@ -267,39 +267,78 @@ REQUIRED_MOE_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_l
 EOS_KEY = "tokenizer.ggml.eos_token_id"
 
 
+# `{arch}.` keys that are no config.json field -> the field whose bounds they take
+OTHER_KEYS = {"block_count": "num_hidden_layers", "ssm.inner_size": "linear_value_head_dim",
+              "full_attention_interval": "full_attention_interval", "rope.dimension_count": "head_dim"}
+REMEDY = "download it again or convert it again"
+
+
 def gguf_config(metadata: Mapping[str, object], shapes: Mapping[str, tuple[int, ...]], source) -> ModelConfig:
     """The ModelConfig of a GGUF file from its keys (`general.architecture`, `{arch}.*`, the eos token)
-    and its tensors' shapes in numpy order (the vocabulary, whether the head is tied)."""
+    and its tensors' shapes in numpy order (the vocabulary, whether the head is tied). Every key is
+    checked for type and bounds (config.py's INT_FIELDS, FLOAT_FIELDS) before any arithmetic on it."""
     arch = metadata.get("general.architecture")
     check_architecture(arch, source)
+    fields = {name: field for field, name in CONFIG_KEYS.items()} | OTHER_KEYS
 
     def key(name: str):
+        """The key's value, checked; a per-layer array gives its widest entry. None if absent."""
         value = metadata.get(f"{arch}.{name}")
-        return max(value) if isinstance(value, list) and value else value  # per-layer arrays: the widest
+        if value is None:
+            return None
+        if isinstance(value, list):
+            numeric = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if not value or len(numeric) < len(value):
+                raise CheckpointError(source, f"metadata key {arch}.{name} is {shown(value)}, not a number or a "
+                                              f"per-layer array of numbers; the file is corrupt, {REMEDY}")
+            value = max(numeric)
+        return checked(value, fields[name], source, f"metadata key {arch}.{name}", REMEDY)
+
+    def bad(names: str, problem: str) -> CheckpointError:
+        return CheckpointError(source, f"metadata {names} {problem}; the file is corrupt, {REMEDY}")
 
     required = REQUIRED_KEYS + (REQUIRED_MOE_KEYS if arch in MOE_ARCHITECTURES else ())
-    missing = [f"{arch}.{name}" for name in required if key(name) is None]
+    missing = [f"{arch}.{name}" for name in required if metadata.get(f"{arch}.{name}") is None]
     missing += ["tensor token_embd.weight"] if "token_embd.weight" not in shapes else []
     if missing:
         raise CheckpointError(source, f"metadata lacks {', '.join(missing)}; the file is not a complete {arch} GGUF")
-    raw = {field: key(name) for field, name in CONFIG_KEYS.items() if key(name) is not None}
+    raw = {field: value for field, name in CONFIG_KEYS.items() if (value := key(name)) is not None}
     raw["model_type"] = ARCHITECTURES[arch]
-    raw["num_hidden_layers"] = layers = key("block_count") - raw.get("mtp_num_hidden_layers", 0)
+    blocks, mtp = key("block_count"), raw.get("mtp_num_hidden_layers", 0)  # block_count counts the MTP blocks
+    if blocks <= mtp:
+        raise bad(f"key {arch}.block_count", f"is {blocks}, which leaves no layers besides its {mtp} MTP block(s)")
+    raw["num_hidden_layers"] = layers = blocks - mtp
     raw["layer_types"] = _layer_types(metadata.get(f"{arch}.attention.recurrent_layers"),
                                       key("full_attention_interval") or 4, layers)
-    raw["vocab_size"] = shapes["token_embd.weight"][0]
+    embedding = shapes["token_embd.weight"]
+    if len(embedding) != 2 or not 1 <= embedding[0] <= MAX_SIZE:
+        raise CheckpointError(source, f"tensor token_embd.weight has shape {shown(list(embedding))}, not [vocabulary, "
+                                      f"width] with a vocabulary from 1 to {MAX_SIZE}; the file is corrupt, {REMEDY}")
+    raw["vocab_size"] = embedding[0]
     raw["tie_word_embeddings"] = "output.weight" not in shapes
-    raw["linear_value_head_dim"] = key("ssm.inner_size") // raw["linear_num_value_heads"]
+    inner, value_heads = key("ssm.inner_size"), raw["linear_num_value_heads"]
+    if inner % value_heads:
+        raise bad(f"keys {arch}.ssm.inner_size and {arch}.ssm.time_step_rank",
+                  f"are {inner} and {value_heads}: the first is no multiple of the second")
+    raw["linear_value_head_dim"] = inner // value_heads
+    if "head_dim" not in raw and raw["hidden_size"] % raw["num_attention_heads"]:
+        raise bad(f"keys {arch}.embedding_length and {arch}.attention.head_count",
+                  f"are {raw['hidden_size']} and {raw['num_attention_heads']}, and there is no "
+                  f"{arch}.attention.key_length: the first is no multiple of the second")
     head_dim = raw.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
-    raw["partial_rotary_factor"] = (key("rope.dimension_count") or head_dim) / head_dim  # llama.cpp: all of it
+    rotary = key("rope.dimension_count") or head_dim  # llama.cpp: all of it
+    if rotary > head_dim:
+        raise bad(f"key {arch}.rope.dimension_count", f"is {rotary}, more than the head dimension {head_dim}")
+    raw["partial_rotary_factor"] = rotary / head_dim
     if EOS_KEY in metadata:
         raw["eos_token_id"] = metadata[EOS_KEY]
     return ModelConfig.from_dict(raw, str(source))
 
 
 def check_architecture(arch, source) -> None:
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(source, f"GGUF architecture {arch!r} is not supported; duet reads {', '.join(ARCHITECTURES)}")
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:  # a list is no dict key
+        raise CheckpointError(source, f"GGUF architecture {shown(arch)} (key general.architecture) is not supported; "
+                                      f"duet reads {', '.join(ARCHITECTURES)}")
 
 
 def _layer_types(recurrent: list | None, interval: int, layers: int) -> list[str]:

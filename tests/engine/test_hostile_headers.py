@@ -47,6 +47,7 @@ from duet.engine.checkpoint import headers as headers_module
 from duet.engine.checkpoint.gguf import GGUFCheckpoint, open_gguf
 from duet.engine.checkpoint.headers import FIRST_BLOCK, MAX_BLOCK, read_gguf_header, read_headers
 from duet.engine.checkpoint.safetensors import DTYPES, MAX_HEADER_BYTES, SafetensorsCheckpoint, SafetensorsFile
+from duet.engine.config import ModelConfig
 from duet.engine.errors import CheckpointError, DuetError
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # random F64 bits past fp32's range
@@ -503,33 +504,118 @@ def test_huge_declared_gguf_lengths_allocate_nothing_and_end(work, what):
     assert check_gguf(work / "model.gguf", blob, loader_overhead=GGUF_PACKAGE_OVERHEAD) is None
 
 
-def with_key(key: bytes, vtype: int, payload: bytes) -> bytes:
-    """The valid file with one key's value type and value replaced."""
+def with_key(key: bytes, vtype: int, payload: bytes, drop: tuple[bytes, ...] = ()) -> bytes:
+    """The valid file with one key's value type and value replaced, and the keys `drop` left out."""
     spec = valid_gguf_spec()
     for entry in spec["keys"]:
         if entry[0] == key:
             entry[1:] = [vtype, payload]
+    spec["keys"] = [entry for entry in spec["keys"] if entry[0] not in drop]
+    spec["n_keys"] = len(spec["keys"])
     return encode_gguf(spec)
 
 
-CONFIG_KEY_BUGS = {  # found by this file; gguf_names.gguf_config computes with them unchecked
-    "architecture as a list": (b"general.architecture", ARRAY, array(STRING, [gguf_str(b"qwen35")])),
-    "block_count as a string": (b"qwen35.block_count", STRING, gguf_str(b"6")),
-    "block_count of 2^40 (a list of 2^40 layer types)": (b"qwen35.block_count", U64, struct.pack("<Q", 2**40)),
-    "head_count of 0": (b"qwen35.attention.head_count", U32, struct.pack("<I", 0)),
-    "time_step_rank of 0": (b"qwen35.ssm.time_step_rank", U32, struct.pack("<I", 0)),
-    "embedding_length as strings": (b"qwen35.embedding_length", ARRAY, array(STRING, [gguf_str(b"x")])),
+CONFIG_KEYS_REFUSED = {  # found by this file: gguf_names.gguf_config computed with them unchecked
+    # case: (key, value type, value, the key the one line names)
+    "architecture as a list": (b"general.architecture", ARRAY, array(STRING, [gguf_str(b"qwen35")]),
+                               "general.architecture"),  # TypeError: unhashable
+    "block_count as a string": (b"qwen35.block_count", STRING, gguf_str(b"6"), "qwen35.block_count"),  # TypeError
+    "block_count of 2^40 (a list of 2^40 layer types)": (b"qwen35.block_count", U64, struct.pack("<Q", 2**40),
+                                                         "qwen35.block_count"),  # a hang
+    "block_count of 1, the MTP block alone": (b"qwen35.block_count", U32, struct.pack("<I", 1), "qwen35.block_count"),
+    "head_count of 0": (b"qwen35.attention.head_count", U32, struct.pack("<I", 0),
+                        "qwen35.attention.head_count"),  # ZeroDivisionError
+    "head_count of 0 per layer": (b"qwen35.attention.head_count", ARRAY, array(U32, [struct.pack("<I", 0)] * 6),
+                                  "qwen35.attention.head_count"),
+    "time_step_rank of 0": (b"qwen35.ssm.time_step_rank", U32, struct.pack("<I", 0),
+                            "qwen35.ssm.time_step_rank"),  # ZeroDivisionError
+    "time_step_rank not dividing inner_size": (b"qwen35.ssm.time_step_rank", U32, struct.pack("<I", 3),
+                                               "qwen35.ssm.time_step_rank"),
+    "embedding_length as strings": (b"qwen35.embedding_length", ARRAY, array(STRING, [gguf_str(b"x")]),
+                                    "qwen35.embedding_length"),  # TypeError
+    "embedding_length as an empty array": (b"qwen35.embedding_length", ARRAY, array(U32, []), "qwen35.embedding_length"),
+    "embedding_length of 2^40": (b"qwen35.embedding_length", U64, struct.pack("<Q", 2**40), "qwen35.embedding_length"),
+    "freq_base negative": (b"qwen35.rope.freq_base", 6, struct.pack("<f", -1.0), "qwen35.rope.freq_base"),
+    "freq_base NaN": (b"qwen35.rope.freq_base", 6, struct.pack("<f", math.nan), "qwen35.rope.freq_base"),
+    "rms epsilon as a bool": (b"qwen35.attention.layer_norm_rms_epsilon", 7, b"\x01",
+                              "qwen35.attention.layer_norm_rms_epsilon"),
+    "rope dimension past the head": (b"qwen35.rope.dimension_count", U32, struct.pack("<I", 64),
+                                     "qwen35.rope.dimension_count"),
+    "full_attention_interval of 0": (b"qwen35.full_attention_interval", U32, struct.pack("<I", 0),
+                                     "qwen35.full_attention_interval"),
+    "nextn_predict_layers negative": (b"qwen35.nextn_predict_layers", 5, struct.pack("<i", -1),
+                                      "qwen35.nextn_predict_layers"),
 }
 
 
-@pytest.mark.xfail(strict=True, raises=(TypeError, ZeroDivisionError, TimeoutError),
-                   reason="gguf_names.gguf_config does arithmetic on model keys it has not checked: a TypeError, "
-                          "ZeroDivisionError or hang instead of one line (engine/checkpoint/gguf_names.py)")
-@pytest.mark.parametrize("case", sorted(CONFIG_KEY_BUGS))
+@pytest.mark.parametrize("case", sorted(CONFIG_KEYS_REFUSED))
 def test_model_keys_of_the_wrong_type_or_value(work, case):
-    blob = with_key(*CONFIG_KEY_BUGS[case])
-    assert read_gguf_header_ok(work / "model.gguf", blob)
-    outcome(lambda: read_headers(str(work / "model.gguf")), len(blob), overhead=None, hang_s=1.0)
+    """Each was a TypeError, ZeroDivisionError or hang in gguf_config; now one line naming the file and the key.
+    (full_attention_interval only counts where recurrent_layers is absent: that key goes too.)"""
+    key, vtype, payload, named = CONFIG_KEYS_REFUSED[case]
+    drop = (b"qwen35.attention.recurrent_layers",) if key == b"qwen35.full_attention_interval" else ()
+    blob, path = with_key(key, vtype, payload, drop), work / "model.gguf"
+    assert read_gguf_header_ok(path, blob)
+    with pytest.raises(CheckpointError) as refused:
+        outcome(lambda: read_headers(str(path)), len(blob), errors=(), overhead=None, hang_s=1.0)
+    assert_one_line(refused.value)
+    assert str(refused.value).startswith(f"{path}: ") and named in str(refused.value), str(refused.value)
+    assert "download it again" in str(refused.value) or "duet reads" in str(refused.value)
+
+
+CONFIG_JSON_REFUSED = {  # text_config field -> value; each was a traceback, a hang or an absurd config
+    "num_attention_heads": 0,  # ZeroDivisionError (head_dim = hidden // heads)
+    "num_hidden_layers": 2**40,  # a hang building 2^40 layer types
+    "hidden_size": 2**62,  # accepted
+    "vocab_size": 0,  # accepted
+    "num_key_value_heads": 0,  # accepted
+    "linear_conv_kernel_dim": 0,  # accepted
+    "full_attention_interval": "4",  # TypeError, once layer_types is gone
+    "layer_types": [["linear_attention"]] * 64,  # TypeError: unhashable
+    "model_type": ["qwen3_5_text"],  # TypeError: unhashable
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10**400},  # OverflowError
+    "partial_rotary_factor": math.inf,  # OverflowError (rotary_dim)
+    "rms_norm_eps": -1.0,  # accepted
+}
+CONFIG_JSON_TEXT_REFUSED = {
+    "arrays nested 10^5 deep": "[" * 100_000 + "]" * 100_000,  # RecursionError
+    "an integer of 5000 digits": '{"model_type": "qwen3_5", "vocab_size": ' + "9" * 5000 + "}",  # ValueError
+}
+
+
+@pytest.mark.parametrize("field", sorted(CONFIG_JSON_REFUSED))
+def test_config_json_values_of_the_wrong_type_or_value(tmp_path, field):
+    raw = ho.config_27b()
+    text = raw["text_config"]
+    if field in ("full_attention_interval", "partial_rotary_factor"):
+        text.pop("layer_types", None), text["rope_parameters"].pop(field, None)
+    text[field] = CONFIG_JSON_REFUSED[field]
+    if field == "model_type":
+        raw["model_type"] = CONFIG_JSON_REFUSED[field]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    named = "rope_theta" if field == "rope_parameters" else "model_type" if field == "model_type" else field
+    with pytest.raises(CheckpointError) as refused, alarm(1.0):
+        ModelConfig.from_file(path)
+    assert_one_line(refused.value)
+    assert str(refused.value).startswith(f"{path}: ") and named in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_JSON_TEXT_REFUSED))
+def test_config_json_the_parser_itself_refuses(tmp_path, case):
+    path = tmp_path / "config.json"
+    path.write_text(CONFIG_JSON_TEXT_REFUSED[case])
+    with pytest.raises(CheckpointError, match="config.json is not valid JSON; re-download the model") as refused:
+        ModelConfig.from_file(path)
+    assert_one_line(refused.value)
+
+
+def test_the_27b_config_json_is_accepted(tmp_path):
+    """The bounds leave a real config alone (the 27B model's geometry, REFERENCE.md section 1)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(ho.config_27b()))
+    c = ModelConfig.from_file(path)
+    assert (c.vocab_size, c.num_hidden_layers, c.head_dim, c.rotary_dim) == (ho.V, ho.LAYERS, ho.HEAD_DIM, 64)
 
 
 def read_gguf_header_ok(path: Path, blob: bytes) -> bool:
