@@ -451,33 +451,247 @@ def test_closed_viterbi_finds_the_least_squares_path_with_its_ends_fixed(k, step
         assert cost(target[row], path, levels) == brute_force(target[row], k, levels, int(prefix[row]))
 
 
-def closed_cost_by_dp(target: np.ndarray, k: int, levels: np.ndarray, shared: int) -> float:
-    """Least cost of a circular path whose state 0 starts with `shared` (its top 16 - k bits), which
-    the last state must end with: a plain dynamic programme over states, predecessors of s being
-    (hi << k') | (s >> k) for hi in 0 .. 2^k - 1 (k' = 16 - k)."""
+def viterbi_by_hand(target: np.ndarray, k: int, levels: np.ndarray, shared: int | None = None) -> np.ndarray:
+    """Least-squares state path, a plain dynamic programme over the 65,536 states: the predecessors
+    of s are (hi << (16 - k)) | (s >> k). With `shared`, state 0 starts with those 16 - k bits and the
+    last state ends with them. float32 costs, added in the encoder's order (error, then best into
+    the state), and ties to the largest hi, so that a tie-free target has exactly one answer."""
     low = 16 - k
     states = np.arange(1 << 16)
-    best = np.where(states >> k == shared, (target[0] - levels) ** 2, np.inf)
-    predecessors = (np.arange(1 << k)[:, None] << low) | (states[None, :] >> k)
+    cost = (np.float32(target[0]) - levels) ** 2
+    if shared is not None:
+        cost = np.where(states >> k == shared, cost, np.float32(np.inf))
+    back = []
     for t in range(1, len(target)):
-        best = best[predecessors].min(axis=0) + (target[t] - levels) ** 2
-    return float(best[(states & ((1 << low) - 1)) == shared].min())
+        by_hi = cost.reshape(1 << k, 1 << low)  # [hi, mid]: state (hi << low) | mid
+        hi = (1 << k) - 1 - by_hi[::-1].argmin(axis=0)  # per mid = s >> k
+        back.append(hi[states >> k])
+        cost = (np.float32(target[t]) - levels) ** 2
+        cost += by_hi.min(axis=0)[states >> k]
+    if shared is not None:
+        cost = np.where(states & ((1 << low) - 1) == shared, cost, np.float32(np.inf))
+    path = [int(cost.argmin())]
+    for hi in reversed(back):
+        path.append((int(hi[path[-1]]) << low) | (path[-1] >> k))
+    return np.array(path[::-1])
+
+
+def encode_by_hand(target: np.ndarray, k: int) -> np.ndarray:
+    """Tail-biting as the module docstring and QTIP Alg. 4 say: a free pass over the tile rotated by
+    half, then close the circle at 0 and at 64, each time keeping the 16 - k bits the current path
+    shares across the cut and coding everything else afresh."""
+    levels = levels_by_hand(T.MULTIPLIERS[k]).astype(np.float32)
+    mask = (1 << (16 - k)) - 1
+    path = np.roll(viterbi_by_hand(np.roll(target, -64), k, levels), 64)
+    for cut in (0, 64):
+        path = np.roll(viterbi_by_hand(np.roll(target, -cut), k, levels, int(path[cut - 1]) & mask), cut)
+    return path
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_encoded_tile_is_the_tail_biting_algorithm(k):
+    # Gaussian targets: no two paths tie in float32 cost, so the path itself is compared
+    target = (np.random.default_rng(60 + k).standard_normal((1, T.TILE)) * 36).astype(np.float32)
+    path = T.encode_states(target.astype(np.float64), k)[0]
+    assert is_shift_register(path, k, circular=True)
+    assert np.array_equal(path, encode_by_hand(target[0], k))
+    packed = T.encode_tiles(target, k)
+    assert packed.shape == (1, T.TILE * k // 8) and windows_by_hand(packed[0], k) == path.tolist()
+
+
+def sylvester(n: int) -> np.ndarray:
+    """H_2n = [[H_n, H_n], [H_n, -H_n]]."""
+    h = np.ones((1, 1))
+    while len(h) < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def signs_by_hand(k_dim: int, seed: int) -> np.ndarray:
+    """The file's rotation signs: -1 where np.random.default_rng(seed).random() < 0.5, else +1."""
+    return np.array([-1.0 if u < 0.5 else 1.0 for u in np.random.default_rng(seed).random(k_dim)])
+
+
+def rotate_by_matrix(x: np.ndarray, seed: int) -> np.ndarray:
+    """float64: each 128-block of x * signs, times H / sqrt(128)."""
+    y = np.asarray(x, np.float64) * signs_by_hand(x.shape[-1], seed)
+    return (y.reshape(-1, 128) @ sylvester(128) / np.sqrt(128)).reshape(x.shape)
+
+
+def fp32_rotation_bound(x: np.ndarray, seed: int) -> np.ndarray:
+    """Error bound of the fp32 butterflies: 7 stages and the final scaling each round once
+    (relative 2^-24) a partial sum no larger than the block's sum of |x|; the signs are exact.
+    8 roundings * 2^-24 * sum|x| / sqrt(128), times 2 for the input's own fp32 rounding."""
+    l1 = np.abs(np.asarray(x, np.float64)).reshape(-1, 128).sum(axis=1, keepdims=True)
+    return np.broadcast_to(16 * 2.0**-24 * l1 / np.sqrt(128), (l1.shape[0], 128)).reshape(x.shape)
+
+
+def test_rotation_is_the_signed_sylvester_transform():
+    x = np.random.default_rng(70).standard_normal((3, 256)).astype(np.float32)
+    assert np.array_equal(T.rotation_signs(256, 9), signs_by_hand(256, 9).astype(np.float32))
+    rotated = T.rotate_inputs(x, 9)
+    assert rotated.dtype == np.float32 and rotated.shape == x.shape
+    assert np.all(np.abs(rotated - rotate_by_matrix(x, 9)) <= fp32_rotation_bound(x, 9))
+    # unrotate: H then the signs (H symmetric, H H = 128 I)
+    back = T.unrotate_inputs(x, 9)
+    expected = (x.astype(np.float64).reshape(-1, 128) @ sylvester(128) / np.sqrt(128)).reshape(x.shape) * signs_by_hand(256, 9)
+    assert np.all(np.abs(back - expected) <= fp32_rotation_bound(x, 9))
+
+
+def test_tiles_by_hand():
+    w = np.random.default_rng(71).standard_normal((32, 24)).astype(np.float32)
+    tiles = T.to_tiles(w)
+    assert tiles.shape == (2 * 3, 128)
+    for row in range(32):
+        for col in range(24):
+            assert tiles[(row // 16) * 3 + col // 8, (row % 16) * 8 + col % 8] == w[row, col]
+    assert np.array_equal(T.from_tiles(tiles, (32, 24)), w)
+
+
+def trellis_weight(k: int, seed: int, n: int = 32, k_dim: int = 256) -> T.TrellisWeight:
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, (n // 16 * k_dim // 8, T.TILE * k // 8), dtype=np.uint8)
+    return T.TrellisWeight(packed, rng.uniform(0.01, 0.1, n).astype(np.float32), (n, k_dim), k, seed)
+
+
+def rotated_levels_by_hand(weight: T.TrellisWeight) -> np.ndarray:
+    """Level [row, col] of the rotated weight: tile (row // 16) * K/8 + col // 8, weight (row % 16) * 8 + col % 8."""
+    n, k_dim = weight.shape
+    c = T.MULTIPLIERS[weight.k]
+    tiles = [[level_by_hand(s, c) for s in windows_by_hand(p, weight.k)] for p in weight.packed]
+    return np.array([[tiles[(r // 16) * (k_dim // 8) + col // 8][(r % 16) * 8 + col % 8] for col in range(k_dim)]
+                     for r in range(n)], np.float64)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_trellis_weight_decodes_and_unrotates_per_the_format(k):
+    weight = trellis_weight(k, 72 + k)
+    levels = rotated_levels_by_hand(weight)
+    rotated = levels * weight.row_scale[:, None].astype(np.float64)
+    got_levels, got_scale = weight.decode_rows(5, 21)  # crosses the 16-row band boundary
+    assert got_levels.shape == (16, 2, 128) and got_levels.dtype == np.float32
+    assert np.array_equal(got_levels.reshape(16, -1), levels[5:21]) and np.array_equal(got_scale, weight.row_scale[5:21])
+    assert np.array_equal(weight.dequantize_rotated(), rotated.astype(np.float32))  # int8 times fp32: one rounding
+    expected = (rotated.reshape(-1, 128) @ sylvester(128) / np.sqrt(128)).reshape(rotated.shape) * signs_by_hand(256, weight.seed)
+    assert np.all(np.abs(weight.dequantize() - expected) <= fp32_rotation_bound(rotated, weight.seed))
+    assert weight.nbytes == weight.packed.size + 32 * 4
+
+
+def test_trellis_take_rows_moves_bands():
+    weight = trellis_weight(4, 80, n=48)
+    levels = rotated_levels_by_hand(weight)
+    rows = np.r_[32:48, 0:16]
+    taken = weight.take_rows(rows)
+    assert taken.shape == (32, 256) and taken.k == 4 and taken.seed == 80
+    assert np.array_equal(taken.row_scale, weight.row_scale[rows])
+    assert np.array_equal(taken.decode_rows(0, 32)[0].reshape(32, -1), levels[rows])
+    for bad in (np.arange(8), np.arange(1, 17), np.r_[0:15, 16]):
+        with pytest.raises(T.DuetError, match="cut a tile"):
+            weight.take_rows(bad)
+
+
+def test_quantize_matrix_codes_the_unit_rms_rotated_tiles(monkeypatch):
+    """quantize_matrix's own arithmetic, with the encoder replaced by a recorder (its search is tested above)."""
+    rng = np.random.default_rng(81)
+    w = rng.standard_normal((32, 128)).astype(np.float32) * np.geomspace(0.01, 3, 32, dtype=np.float32)[:, None]
+    w[16:32:5] = 0.0  # zero rows: scale 1 * step, not a division by zero
+    seen = {}
+
+    def recorder(target, k):
+        seen["target"], seen["k"] = target, k
+        return np.zeros((len(target), T.TILE * k // 8), np.uint8)
+
+    monkeypatch.setattr(T, "encode_tiles", recorder)
+    step = 0.03
+    q = T.quantize_matrix(w, 3, seed=5, step=step)
+    rotated = rotate_by_matrix(w, 5)
+    rms = np.sqrt(np.mean(rotated ** 2, axis=1))
+    rms = np.where(rms > 0, rms, 1.0)
+    expected = rotated / rms[:, None] / step
+    target = seen["target"]
+    assert seen["k"] == 3 and target.shape == (2 * 16, 128)
+    # bound: the rotation's (relative to each block's sum |w|), and 2^-20 of the value for the fp32
+    # rms, division by it and by the step
+    bound = fp32_rotation_bound(w, 5) / rms[:, None] / step + 2.0**-20 * np.abs(expected)
+    by_tile = np.array([[target[(r // 16) * 16 + c // 8, (r % 16) * 8 + c % 8] for c in range(128)] for r in range(32)])
+    assert np.all(np.abs(by_tile - expected) <= bound)
+    assert q.shape == (32, 128) and q.k == 3 and q.seed == 5 and q.packed.shape == (32, 48)
+    np.testing.assert_allclose(q.row_scale, rms * step, rtol=2.0**-20)  # fp32 rms of an fp32 rotation
+
+
+def test_rotated_int8_activations_are_int8_blocks_of_the_rotation():
+    x = np.random.default_rng(82).standard_normal((3, 256)).astype(np.float32)
+    x[1, 128:] = 0.0  # a zero block: scale 0, q 0
+    q, scale = T.rotated_int8_activations(x, 6)
+    rotated = torch.tensor(T.rotate_inputs(x, 6)).reshape(3, 2, 128)  # the rotation is checked above
+    ref_scale = rotated.abs().amax(dim=-1) / 127.0
+    ref_q = torch.where(ref_scale[..., None] > 0, torch.round(rotated / ref_scale[..., None]), 0.0)
+    assert q.shape == (3, 2, 128) and np.array_equal(scale, ref_scale.numpy()) and np.array_equal(q, ref_q.numpy())
+    assert scale[1, 1] == 0 and not q[1, 1].any()
 
 
 @pytest.mark.parametrize("k", T.RATES)
-def test_encoded_tile_is_circular_and_optimal_given_its_shared_bits(k):
+def test_level_moments_are_the_moments_of_the_levels(k):
     levels = levels_by_hand(T.MULTIPLIERS[k]).astype(np.float64)
-    target = quarter_targets((2, T.TILE), 60 + k).astype(np.float64)
-    paths = T.encode_states(target, k)
-    mask = (1 << (16 - k)) - 1
-    assert paths.shape == (2, T.TILE)
-    for row in range(2):
-        path = paths[row]
-        assert is_shift_register(path, k, circular=True)
-        # the last pass re-closed the circle at REFINE_CUTS[-1]: nothing better keeps those bits
-        cut = T.REFINE_CUTS[-1]
-        rotated = np.roll(target[row], -cut)
-        assert cost(target[row], path, levels) == closed_cost_by_dp(rotated, k, levels, int(path[cut - 1]) & mask)
-    packed = T.encode_tiles(target, k)
-    assert np.array_equal(packed, T.pack_states(paths, k))
-    assert [windows_by_hand(row, k) for row in packed] == paths.tolist()
+    mean = levels.sum() / levels.size
+    var = ((levels - mean) ** 2).sum() / levels.size
+    kurt = ((levels - mean) ** 4).sum() / levels.size / var**2 - 3
+    got = T.level_moments(T.MULTIPLIERS[k])
+    np.testing.assert_allclose(got, (mean, np.sqrt(var), kurt), rtol=1e-12, atol=1e-12)  # float64 summation order
+
+
+@pytest.mark.parametrize("moments,ok", [((0.49, 36.0, -0.3), True), ((-0.49, 36.0, -0.3), True), ((0.5, 36.0, -0.3), False),
+                                        ((-0.5, 36.0, -0.3), False), ((0.0, 35.0, -0.3), True), ((0.0, 37.5, -0.3), True),
+                                        ((0.0, 34.99, -0.3), False), ((0.0, 37.51, -0.3), False), ((0.0, 36.0, -0.35), True),
+                                        ((0.0, 36.0, -0.25), True), ((0.0, 36.0, -0.36), False), ((0.0, 36.0, -0.24), False)])
+def test_near_gaussian_is_the_documented_window(monkeypatch, moments, ok):
+    """|mean| < 0.5, std 35..37.5, excess kurtosis -0.35..-0.25 (the module docstring), at its edges."""
+    monkeypatch.setattr(T, "level_moments", lambda c: moments)
+    assert T.near_gaussian(12345) is ok
+
+
+def test_near_gaussian_on_real_levels():
+    assert all(T.near_gaussian(T.MULTIPLIERS[k]) for k in T.RATES)
+    assert not T.near_gaussian(1)  # levels of 16-bit states: x < 2^16, two bytes only
+
+
+def test_rank_multipliers_tries_each_gaussian_candidate_and_restores(monkeypatch):
+    calls = []
+
+    def fake_mse(x, k, scales):
+        calls.append((T.MULTIPLIERS[k], k, scales))
+        return (1.0 / T.MULTIPLIERS[k], 0.1)
+
+    monkeypatch.setattr(T, "best_scale_mse", fake_mse)
+    monkeypatch.setattr(T, "near_gaussian", lambda c: c != 4)
+    saved = T.MULTIPLIERS[3]
+    ranked = T.rank_multipliers([3, 4, 5, 9], 3, np.zeros((1, 128)), (0.5,))
+    assert ranked == [(1 / 9, 9), (1 / 5, 5), (1 / 3, 3)]
+    assert calls == [(3, 3, (0.5,)), (5, 3, (0.5,)), (9, 3, (0.5,))]
+    assert T.MULTIPLIERS[3] == saved
+
+    def failing(x, k, scales):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(T, "best_scale_mse", failing)
+    with pytest.raises(RuntimeError):
+        T.rank_multipliers([3], 3, np.zeros((1, 128)), (0.5,))
+    assert T.MULTIPLIERS[3] == saved
+
+
+def test_best_scale_mse_is_the_lowest_mse_over_the_steps(monkeypatch):
+    x = np.zeros((1, 128), np.float32)
+    monkeypatch.setattr(T, "quantize_sequences", lambda x, k, step: (None, x + np.float32(step) - np.float32(0.05)))
+    # rel: 0.04 and 0.05 rounded to fp32 (2^-24 each), magnified by 0.09 / 0.01 in the difference, squared
+    assert T.best_scale_mse(x, 2, (0.01, 0.04, 0.2)) == pytest.approx(((0.04 - 0.05) ** 2, 0.04), rel=2e-6)
+    mse, step = T.best_scale_mse(x, 4)  # default: SCALES[4]
+    assert step == float(T.SCALES[4][-1]) and isinstance(mse, float)  # all below 0.05: the largest is nearest
+
+
+def test_quantize_sequences_reconstructs_levels_times_step():
+    x = (np.random.default_rng(83).standard_normal((1, T.TILE)) * 0.5).astype(np.float32)
+    step = 0.5 / 36
+    packed, recon = T.quantize_sequences(x, 4, step)
+    levels = [level_by_hand(s, T.MULTIPLIERS[4]) for s in windows_by_hand(packed[0], 4)]
+    assert recon.dtype == np.float32 and np.array_equal(recon[0], np.array(levels, np.float32) * np.float32(step))
+    assert np.mean((recon - x) ** 2) < 0.01 * np.mean(x ** 2)  # 4 bits: ~0.0045 of the variance (section 4)
