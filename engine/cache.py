@@ -63,7 +63,9 @@ class Q4KVCache:
     def __init__(self, kv_heads: int, head_dim: int, seed: int = 0):
         if head_dim & (head_dim - 1) or head_dim % Q4_GROUP:
             raise ValueError(f"q4 KV needs a power-of-two head_dim divisible by {Q4_GROUP}")
-        self.hadamard = hadamard(head_dim) / np.sqrt(head_dim)  # symmetric and orthonormal
+        # Symmetric and orthonormal; float32, as the rows: np.sqrt's float64 scalar made it float64, and
+        # with it every dequantized row and the model's hidden state after the first q4 attention layer.
+        self.hadamard = (hadamard(head_dim) / np.sqrt(head_dim)).astype(np.float32)
         self.signs = np.random.default_rng(seed).choice([-1.0, 1.0], head_dim).astype(np.float32)
         self.codes = np.zeros((kv_heads, 0, head_dim // 2, 2), np.uint8)
         self.scales = np.zeros((kv_heads, 0, head_dim // Q4_GROUP, 2), np.float16)
