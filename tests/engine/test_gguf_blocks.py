@@ -35,6 +35,7 @@ def test_every_required_type_has_a_codec():
 def test_decode_is_bit_exact_against_gguf_reference(qtype):
     blocks = random_blocks(qtype, 512, seed=qtype.value)
     ours = dequantize_blocks(qtype, blocks)
+    assert ours.shape == (512, gguf.GGML_QUANT_SIZES[qtype][0]) and ours.dtype == np.float32  # [n, block]
     reference = gguf.quants.dequantize(blocks.reshape(-1), qtype).reshape(ours.shape)
     assert np.array_equal(ours.view(np.uint32), reference.view(np.uint32))
 
