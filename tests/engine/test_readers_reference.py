@@ -32,6 +32,7 @@ from duet.engine.checkpoint.safetensors import (
     MAX_HEADER_BYTES,
     SafetensorsCheckpoint,
     SafetensorsFile,
+    TensorInfo,
     bf16_to_f32,
     header_length,
     parse_header_bytes,
@@ -319,6 +320,9 @@ def test_an_index_that_names_bad_shards(tmp_path, library_file):
         index.write_text(json.dumps({"weight_map": {"t": shard}}))
         with pytest.raises(CheckpointError, match=message):
             SafetensorsCheckpoint(folder)
+    index.write_text("{")
+    with pytest.raises(CheckpointError, match=f"^{index}: index is not valid JSON with a weight_map"):
+        SafetensorsCheckpoint(folder)
     (tmp_path / "model.safetensors").write_bytes(library_file.read_bytes())
     index.write_text(json.dumps({"weight_map": {"t": "model.safetensors"}}))
     assert [f.path for f in SafetensorsCheckpoint(folder).files] == [(folder / "model.safetensors").resolve()]
@@ -397,6 +401,11 @@ def test_llamacpp_tensors_read_as_the_gguf_package_reads_them(path):
     assert ckpt.config.num_hidden_layers == reader.fields[f"{ckpt.arch}.block_count"].contents() - (0 if moe else 1)
     assert ckpt.file_of("lm_head.weight") == path and ckpt.model_dir == path
     assert "lm_head.missing" not in ckpt and "model.layers.0.mlp.up_proj.weight" not in ckpt.quantized
+    assert "lm_head.missing" not in ckpt.quantized
+    assert ckpt.config.eos_token_ids == (reader.fields["tokenizer.ggml.eos_token_id"].contents(),)
+    head = next(t for t in reader.tensors if t.name == "output.weight")
+    assert ckpt.info("lm_head.weight") == TensorInfo("lm_head.weight", "F32", tuple(int(d) for d in reversed(head.shape)),
+                                                     0, head.n_bytes)  # what TensorPlan reads of a checkpoint
     assert len(ckpt.names()) == len(ckpt.entries) and set(ckpt.names()) == set(ckpt.entries)
     ckpt.close()
 
@@ -529,7 +538,11 @@ def test_tokenizer_keys_the_loader_refuses(tmp_path):
         "metadata key tokenizer.ggml.bos_token_id is '1', not a token id"
     last = rewrite(QWEN35_MTP, tmp_path / "f.gguf", keys={"tokenizer.ggml.eot_token_id": (n - 1, U),
                                                             "tokenizer.ggml.bos_token_id": (0, U)})
-    GGUFCheckpoint(last).tokenizer()  # the last token and token 0 are ids
+    tok = GGUFCheckpoint(last).tokenizer()  # the last token and token 0 are ids; eot ends a turn too
+    eos = gguf.GGUFReader(QWEN35_MTP).fields["tokenizer.ggml.eos_token_id"].contents()
+    assert tok.eos_ids == {eos, n - 1} and tok.bos_token == gguf.GGUFReader(QWEN35_MTP).fields["tokenizer.ggml.tokens"].contents()[0]
+    no_pre = GGUFCheckpoint(rewrite(QWEN35_MTP, tmp_path / "g.gguf", drop=("tokenizer.ggml.pre",))).tokenizer()
+    assert no_pre.decode(no_pre.encode("plain gpt-2 split")) == "plain gpt-2 split"  # llama.cpp's default pre-tokenizer
 
 
 def test_find_gguf(tmp_path):
@@ -558,3 +571,34 @@ def test_open_gguf_refusals(tmp_path):
         open_gguf(cut)
     reader = open_gguf(QWEN35_MTP)
     assert [t.name for t in reader.tensors] == [t.name for t in gguf.GGUFReader(QWEN35_MTP).tensors]
+
+
+def test_a_block_type_the_gguf_package_does_not_know(tmp_path):
+    """Our header reader sizes an unknown type by the next offset; the gguf package then refuses the file."""
+    reader = gguf.GGUFReader(QWEN35_MTP)
+    last = max(reader.tensors, key=lambda t: t.data_offset)
+    type_part = last.field.parts[-2]  # name length, name, n_dims, dims, type, offset
+    at = type_part.ctypes.data - reader.data.ctypes.data
+    blob = bytearray(QWEN35_MTP.read_bytes())
+    assert struct.unpack_from("<I", blob, at)[0] == int(last.tensor_type)
+    struct.pack_into("<I", blob, at, 200)
+    path = tmp_path / "custom.gguf"
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError) as refused:
+        open_gguf(path)
+    assert str(refused.value).startswith(f"{path}: a tensor has an unknown block type (")
+    assert "200) is not a valid GGMLQuantizationType" in str(refused.value)
+    assert str(refused.value).endswith("); supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS")
+
+
+@pytest.mark.parametrize("error", [ValueError("odd"), IndexError("i"), KeyError("k"), OSError("o")], ids=lambda e: type(e).__name__)
+def test_what_the_gguf_package_raises_is_one_line(monkeypatch, error):
+    """Past our header check the package should not fail; if it does, its error is one line too."""
+    def fail(path):
+        raise error
+
+    monkeypatch.setattr("duet.engine.checkpoint.gguf.GGUFReader", fail)
+    with pytest.raises(CheckpointError) as refused:
+        open_gguf(QWEN35_MTP)
+    reason = "odd" if isinstance(error, ValueError) else type(error).__name__
+    assert str(refused.value) == f"{QWEN35_MTP}: cannot be read as GGUF ({reason}); the file is truncated or corrupt, download it again"
