@@ -241,10 +241,31 @@ def test_quantize_rtn_rounds_ties_to_even_and_clips():
     row = np.zeros(128, np.float32)
     row[:10] = [7.5, -7.5, 2.5, 3.5, -2.5, -3.5, 0.5, -0.5, 1.5, 6.5]
     ref_levels, ref_scales = torch_rtn(row[None])
-    w4 = W.quantize_rtn(row[None].astype(np.float64))  # float64 in: scales computed in float32
+    w4 = W.quantize_rtn(row[None])
     assert w4.scales[0, 0] == 0x3F80  # bf16 1.0
     assert list(w4.levels()[0, :10]) == [7, -8, 2, 4, -2, -4, 0, 0, 2, 6]
     assert np.array_equal(w4.levels(), ref_levels) and np.array_equal(w4.scales, ref_scales)
+
+
+def test_quantize_rtn_of_float64_quantizes_its_float32_value():
+    # 2.5 + 2^-30 is 2.5 in float32 (a tie, to even: 2); computed in float64 it would round to 3
+    row = np.zeros((1, 128))
+    row[0, :3] = [7.5, 2.5 + 2.0**-30, -3.5 - 2.0**-30]
+    w4 = W.quantize_rtn(row)
+    assert list(w4.levels()[0, :3]) == [7, 2, -4]
+    assert np.array_equal(w4.levels(), torch_rtn(row)[0])
+
+
+def test_quantize_rtn_of_a_group_below_bf16s_range_is_zero_without_warnings():
+    # absmax / 7.5 underflows bf16 (and float32) to 0 while the weights are not 0: x / 0 must not warn
+    row = np.zeros((2, 128), np.float32)
+    row[0, :4] = [1e-45, -1e-45, 0.0, 1e-45]
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w4 = W.quantize_rtn(row)
+    assert np.all(w4.scales == 0) and np.all(w4.packed == 0x88888888)
+    assert np.array_equal(w4.levels(), torch_rtn(row)[0])
 
 
 def test_quantize_rtn_scale_is_bf16_rounded_at_a_tie():
