@@ -602,3 +602,20 @@ def test_what_the_gguf_package_raises_is_one_line(monkeypatch, error):
         open_gguf(QWEN35_MTP)
     reason = "odd" if isinstance(error, ValueError) else type(error).__name__
     assert str(refused.value) == f"{QWEN35_MTP}: cannot be read as GGUF ({reason}); the file is truncated or corrupt, download it again"
+
+
+def test_quantized_experts_and_router_read_as_gguf_dequantize_reads_them(tmp_path):
+    """Stacked experts [E, out, in] quantized stay blocks, one expert each; a router the converter keeps f32,
+    quantized here, is read as fp32 [E, H]; f16 tensors widen to fp32, not fp64."""
+    path = rewrite(QWEN35MOE, tmp_path / "moe.gguf", {"blk.0.ffn_up_exps.weight": Q.Q8_0, "blk.0.ffn_gate_inp.weight": Q.Q8_0})
+    ckpt, reader = GGUFCheckpoint(path), gguf.GGUFReader(path)
+    experts = reader_data(reader, "blk.0.ffn_up_exps.weight")
+    for e in range(experts.shape[0]):
+        key = f"model.layers.0.mlp.experts.{e}.up_proj.weight"
+        assert key in ckpt.quantized
+        np.testing.assert_array_equal(ckpt.quantized.read(key).dequantize(), experts[e])
+    router = ckpt.read_f32("model.layers.0.mlp.gate.weight")
+    assert router.dtype == np.float32 and "model.layers.0.mlp.gate.weight" not in ckpt.quantized
+    np.testing.assert_array_equal(router, reader_data(reader, "blk.0.ffn_gate_inp.weight"))
+    for key in ("model.layers.0.mlp.shared_expert.up_proj.weight", "lm_head.weight", "model.norm.weight"):
+        assert ckpt.read_f32(key).dtype == np.float32, key
