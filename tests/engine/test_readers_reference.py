@@ -237,7 +237,7 @@ def test_header_length_bounds(tmp_path):
             SafetensorsFile(path)
     path = write_raw(tmp_path / "long.safetensors", {}, b"", length=3)
     assert library_refuses(path)
-    with pytest.raises(CheckpointError, match="header length runs past the end"):
+    with pytest.raises(CheckpointError, match=f"^{path}: header length runs past the end"):
         SafetensorsFile(path)
 
 
