@@ -541,6 +541,8 @@ def test_tokenizer_keys_the_loader_refuses(tmp_path):
     tok = GGUFCheckpoint(last).tokenizer()  # the last token and token 0 are ids; eot ends a turn too
     eos = gguf.GGUFReader(QWEN35_MTP).fields["tokenizer.ggml.eos_token_id"].contents()
     assert tok.eos_ids == {eos, n - 1} and tok.bos_token == gguf.GGUFReader(QWEN35_MTP).fields["tokenizer.ggml.tokens"].contents()[0]
+    assert tokenizer_error(rewrite(QWEN35_MTP, tmp_path / "h.gguf", keys={"tokenizer.ggml.pre": ("nope", S)})).startswith(
+        "tokenizer pre-tokenizer 'nope' is not supported; duet reads ")  # the key is read, and the file named
     no_pre = GGUFCheckpoint(rewrite(QWEN35_MTP, tmp_path / "g.gguf", drop=("tokenizer.ggml.pre",))).tokenizer()
     assert no_pre.decode(no_pre.encode("plain gpt-2 split")) == "plain gpt-2 split"  # llama.cpp's default pre-tokenizer
 
