@@ -386,16 +386,9 @@ def restrict(counts: Counter, probs: dict, cls: str) -> tuple[Counter, dict]:
 CASES = [(MTP, EXACT), (NGRAM, EXACT), (MTP, LOSSY), (NGRAM, LOSSY)]
 
 
-@pytest.mark.parametrize("kind,rule", CASES)
-@pytest.mark.parametrize("cls", ["reject_first", "reject_middle", "accept_all"])
-def test_sampled_cycles_match_the_enumeration_per_outcome(kind, rule, cls):
-    """Each outcome class on its own: rejection at the first draft, in the middle, and the bonus."""
-    scn = SCENARIOS[kind]
-    counts = simulate(kind, rule)[0]
-    expected = enumerate_cycle(scn, rule)
-    assert chi_square_p(*restrict(counts, expected, cls)) > ALPHA
-
-
+# The full comparison comes first: simulate() is cached, so only the first test to ask for a case
+# calls accept(), and mutation testing (scripts/mutation.sh) runs just the tests that called the
+# mutated function. The first test must therefore be the one that sees every outcome.
 @pytest.mark.parametrize("kind,rule", CASES)
 def test_sampled_cycles_match_the_enumeration(kind, rule):
     scn = SCENARIOS[kind]
@@ -424,6 +417,16 @@ def test_sampled_cycles_match_the_enumeration(kind, rule):
         assert chi_square_p(counts, enumerate_cycle(scn, rule, wrong=wrong)) < ALPHA, wrong
     other_rule = LOSSY if rule == EXACT else EXACT
     assert chi_square_p(committed_view(counts), committed_only(enumerate_cycle(scn, other_rule))) < ALPHA
+
+
+@pytest.mark.parametrize("kind,rule", CASES)
+@pytest.mark.parametrize("cls", ["reject_first", "reject_middle", "accept_all"])
+def test_sampled_cycles_match_the_enumeration_per_outcome(kind, rule, cls):
+    """Each outcome class on its own: rejection at the first draft, in the middle, and the bonus."""
+    scn = SCENARIOS[kind]
+    counts = simulate(kind, rule)[0]
+    expected = enumerate_cycle(scn, rule)
+    assert chi_square_p(*restrict(counts, expected, cls)) > ALPHA
 
 
 def committed_view(counts: Counter) -> Counter:
@@ -507,3 +510,289 @@ def test_greedy_keeps_drafts_while_they_are_each_rows_argmax(rule, drafts, accep
         rows[i, (argmax[i] + 1) % V] = 1.0
     verdict = accept(rule, rows, Draft(drafts, [None] * len(drafts)), Sampler(SamplingParams(temperature=0.0)))
     assert (verdict.accepted, verdict.next_token, verdict.lossy) == (accepted, argmax[accepted], 0)
+
+
+def test_residual_without_positive_part_falls_back_to_p():
+    """p <= q everywhere (so p == q, or p one-hot on the draft with q None): norm(max(0, p - q)) is
+    0/0, and acceptance never asks for it (u * q(x) < p(x) always holds). residual() answers p."""
+    p = np.array([0.25, 0.5, 0.25], dtype=np.float32)
+    np.testing.assert_array_equal(residual(p, p.astype(np.float64), 1), p)
+    one_hot = np.array([0.0, 1.0, 0.0], dtype=np.float32)
+    np.testing.assert_array_equal(residual(one_hot, None, 1), one_hot)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafters, depth and the rule's name, each against a plain restatement of its definition
+
+from types import SimpleNamespace  # noqa: E402
+import zlib  # noqa: E402
+
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor  # noqa: E402
+import torch  # noqa: E402
+
+from duet.engine.choices import Accept  # noqa: E402
+from duet.engine.choices import Draft as DraftChoice  # noqa: E402
+from duet.engine.errors import DuetError  # noqa: E402
+from duet.engine.speculative import (  # noqa: E402
+    Depth,
+    MTPDrafter,
+    NgramDrafter,
+    NoDrafter,
+    check_rule,
+    make_drafter,
+)
+
+
+def lookup_reference(history: list[int], k: int) -> list[int]:
+    """Prompt lookup as its docstring defines it: for n = 3, 2, 1, the last n tokens; their latest
+    earlier occurrence (starting before the tail does); the k tokens after it."""
+    for n in (3, 2, 1):
+        tail = history[len(history) - n:] if n <= len(history) else None
+        starts = [s for s in range(len(history) - n) if history[s:s + n] == tail]
+        if starts:
+            return history[max(starts) + n:][:k]
+    return []
+
+
+def test_ngram_lookup_matches_its_definition_on_random_histories():
+    rng = np.random.default_rng(5)
+    drafter, sampler = NgramDrafter(), Sampler(SamplingParams())
+    checked = Counter()
+    for _ in range(4000):
+        history = [int(t) for t in rng.integers(0, int(rng.integers(2, 6)), size=int(rng.integers(0, 20)))]
+        k = int(rng.integers(0, 9))
+        draft = drafter.propose(history, k, sampler)
+        expected = lookup_reference(history, k)
+        assert (draft.tokens, draft.q) == (expected, [None] * len(expected)), (history, k)
+        checked[len(expected)] += 1
+    assert all(checked[n] > 20 for n in range(9))  # empty, short and full-depth drafts all occur
+
+
+@pytest.mark.parametrize("history,k,expected", [
+    ([1, 2, 3, 9, 1, 2, 3], 4, [9, 1, 2, 3]),  # the 3-gram wins
+    ([5, 1, 2, 7, 2, 8, 1, 2], 2, [7, 2]),  # the 2-gram [1, 2] at 1, not the 1-gram [2] at 4
+    ([4, 6, 4, 7, 4], 3, [7, 4]),  # the latest earlier [4], and the draft stops at the history's end
+    ([1, 1, 1], 5, [1]), ([3, 3], 2, [3]), ([2], 3, []), ([], 3, []), ([1, 2, 3], 2, []),
+])
+def test_ngram_lookup_examples(history, k, expected):
+    draft = NgramDrafter().propose(history, k, Sampler(SamplingParams()))
+    assert draft.tokens == expected and draft.q == [None] * len(expected)
+
+
+class SymbolicState:
+    """The MTP head's cache: one row (x_{t+1}, h_t) per position it has seen."""
+
+    def __init__(self):
+        self.rows: list = []
+
+    @property
+    def length(self) -> int:
+        return len(self.rows)
+
+    def rewind(self, length: int) -> None:
+        del self.rows[length:]
+
+
+def symbols(*items) -> np.ndarray:
+    out = np.empty((len(items), 1), dtype=object)
+    for i, item in enumerate(items):
+        out[i, 0] = item
+    return out
+
+
+class SymbolicModel:
+    """Stands in for Model's MTP interface. An MTP output is the symbol ("mtp", the cache rows up to
+    its own), so it names exactly what the layer attended to; draft logits are a fixed pseudo-random
+    function of the symbol they are computed from."""
+
+    def __init__(self, vocab: int = 6):
+        self.vocab, self.mtp, self.calls = vocab, "head", []
+
+    def new_mtp_state(self):
+        return SymbolicState()
+
+    def mtp_forward(self, state, next_tokens, hidden):
+        assert len(next_tokens) == len(hidden)
+        out = []
+        for x, h in zip(next_tokens, hidden[:, 0]):
+            state.rows.append((int(x), h))
+            out.append(("mtp", tuple(state.rows)))
+        return symbols(*out)
+
+    def draft_logits(self, hidden):
+        return np.stack([logits_of(h, self.vocab) for h in hidden[:, 0]])
+
+
+def logits_of(symbol, vocab: int) -> np.ndarray:
+    rng = np.random.default_rng(zlib.crc32(repr(symbol).encode()))
+    return (rng.standard_normal(vocab) * 2 + 1).astype(np.float32)
+
+
+def mtp_reference(cache: list, k: int, history: list[int], pick) -> list[int]:
+    """The MTP docstring: the last committed row's output predicts the first draft; each further
+    draft runs the layer on (previous draft, previous output) after the committed rows."""
+    rows, tokens = list(cache), []
+    out = ("mtp", tuple(rows))
+    for i in range(k):
+        if i:
+            rows.append((tokens[-1], out))
+            out = ("mtp", tuple(rows))
+        tokens.append(pick(logits_of(out, 6), history + tokens, i))
+    return tokens
+
+
+def penalised(logits: np.ndarray, previous: list[int], penalty: float) -> np.ndarray:
+    processor = RepetitionPenaltyLogitsProcessor(penalty)
+    ids = torch.tensor([previous], dtype=torch.long) if previous else torch.zeros((1, 0), dtype=torch.long)
+    return processor(ids, torch.from_numpy(logits[None].copy()))[0].numpy()
+
+
+def test_mtp_drafter_reads_the_committed_rows_and_rolls_back_its_drafts():
+    """Greedy with a strong repetition penalty (transformers' processor as the reference), so each
+    draft depends on the history and the drafts before it."""
+    model = SymbolicModel()
+    drafter = MTPDrafter(model)
+    prompt, first = [3, 1, 4, 1, 5], 2
+    hidden = symbols(*[("h", t) for t in range(len(prompt))])
+    drafter.start(prompt, hidden, first)
+    cache = [(x, ("h", t)) for t, x in enumerate(prompt[1:] + [first])]
+    assert drafter.state.rows == cache
+
+    params = SamplingParams(repetition_penalty=4.0)
+    sampler = Sampler(params)
+
+    def greedy(logits, previous, _):
+        return int(np.argmax(penalised(logits, previous, 4.0)))
+
+    history = prompt + [first]
+    for k in (1, 4, 3):
+        draft = drafter.propose(history, k, sampler)
+        assert draft.tokens == mtp_reference(cache, k, history, greedy)
+        assert draft.q == [None] * k  # greedy drafts are one-hot
+        assert drafter.state.rows == cache  # the drafted rows are rolled back
+    # Commit two tokens: their rows join the cache, the output of the last one predicts the next draft.
+    drafter.commit([draft.tokens[0], 0], symbols(("h", 5), ("h", 6)))
+    cache += [(draft.tokens[0], ("h", 5)), (0, ("h", 6))]
+    assert drafter.state.rows == cache
+    history += [draft.tokens[0], 0]
+    assert drafter.propose(history, 4, sampler).tokens == mtp_reference(cache, 4, history, greedy)
+    # Repeated tokens in the history really change the drafts here (the penalty is not idle).
+    assert mtp_reference(cache, 4, [], lambda lg, prev, _: int(np.argmax(penalised(lg, prev, 4.0)))) != \
+        mtp_reference(cache, 4, history, greedy)
+
+
+def test_mtp_drafter_sampling_draws_each_draft_from_its_processed_distribution():
+    """q is the softmax of the processed draft logits (transformers' repetition penalty and
+    temperature, history and earlier drafts counted), and the draft is q's exact inverse CDF at the
+    sampler's uniform."""
+    model = SymbolicModel()
+    drafter = MTPDrafter(model)
+    prompt = [0, 5, 5, 2]
+    drafter.start(prompt, symbols(*[("h", t) for t in range(4)]), 3)
+    cache = list(drafter.state.rows)
+    us = [0.91, 0.07, 0.55, 0.33]
+    sampler = Sampler(SamplingParams(temperature=0.7, repetition_penalty=1.8, seed=0))
+    sampler.rng = ScriptedRng(list(us))
+    expected_q = []
+
+    def draw(logits, previous, i):
+        z = penalised(logits, previous, 1.8).astype(np.float64) / 0.7
+        q = np.exp(z - z.max())
+        q /= q.sum()
+        expected_q.append(q)
+        cdf, u = np.cumsum(q), us[i]
+        return int(np.sum(cdf <= u))  # the first token whose cumulative mass passes u
+
+    history = prompt + [3]
+    draft = drafter.propose(history, 4, sampler)
+    assert draft.tokens == mtp_reference(cache, 4, history, draw)
+    for q, ref in zip(draft.q, expected_q):
+        # float32 probabilities of a float64 softmax of float32 logits: 1e-6 covers both roundings.
+        np.testing.assert_allclose(q, ref, rtol=0, atol=1e-6)
+    assert drafter.state.rows == cache
+
+
+def test_make_drafter_follows_the_draft_choices():
+    with_head, without = SimpleNamespace(mtp="head", new_mtp_state=SymbolicState), SimpleNamespace(mtp=None)
+    assert isinstance(make_drafter("auto", with_head), MTPDrafter)
+    assert isinstance(make_drafter(DraftChoice.AUTO, without), NgramDrafter)
+    assert isinstance(make_drafter("mtp", with_head), MTPDrafter)
+    assert type(make_drafter("ngram", with_head)) is NgramDrafter
+    assert type(make_drafter("none", with_head)) is NoDrafter
+    with pytest.raises(DuetError, match=r"^this checkpoint has no MTP head \(no mtp\.\* tensors\); use --draft ngram or none$"):
+        make_drafter("mtp", without)
+    with pytest.raises(DuetError, match=r"unknown drafter 'medusa'; choose one of auto, mtp, ngram, none$"):
+        make_drafter("medusa", with_head)
+
+
+def test_each_drafter_states_its_word_cap_and_needs():
+    """Names are the words of engine/choices.py; caps are `duet --help`'s ("a number up to 4 (MTP) /
+    7 (n-gram)"); only the MTP head reads the hidden state of every prompt row (its cache holds one
+    row per committed position)."""
+    mtp = MTPDrafter(SimpleNamespace(new_mtp_state=SymbolicState))
+    facts = [(d.name, d.depth_cap, d.reads_prompt_hidden) for d in (NoDrafter(), NgramDrafter(), mtp)]
+    assert facts == [(DraftChoice.NONE, 0, False), (DraftChoice.NGRAM, 7, False), (DraftChoice.MTP, 4, True)]
+    assert mtp.hidden is None
+
+
+class DepthReference:
+    """Depth restated: fixed, or adaptive in [1, cap] starting at min(3, cap) (`duet models plan`:
+    "default: 3 with an MTP head"), one deeper after a cycle that kept every draft, one shallower
+    after one that kept none; cycles that drafted nothing change nothing."""
+
+    def __init__(self, cap: int, fixed: int | None):
+        self.cap, self.fixed = cap, fixed
+        self.current = fixed if fixed is not None else min(3, cap)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if self.fixed is None and drafted:
+            if accepted == drafted:
+                self.current = min(self.cap, self.current + 1)
+            elif accepted == 0:
+                self.current = max(1, self.current - 1)
+
+
+@pytest.mark.parametrize("cap", [0, 1, 2, 4, 7])
+@pytest.mark.parametrize("fixed", [None, -1, 0, 1, 2, 4, 7, 8])
+def test_depth_matches_its_definition(cap, fixed):
+    drafter = SimpleNamespace(depth_cap=cap, name=f"cap{cap}")
+    if cap and fixed is not None and not 1 <= fixed <= cap:
+        with pytest.raises(DuetError, match=rf"^--depth must be between 1 and {cap} for cap{cap} drafts \(got {fixed}\)$"):
+            Depth(drafter, fixed)
+        return
+    depth, reference = Depth(drafter, fixed), DepthReference(cap, fixed)
+    assert (depth.cap, depth.fixed, depth.current) == (cap, fixed, reference.current)
+    rng = np.random.default_rng([cap, 1 + (fixed or 0) + 1])
+    for _ in range(300):
+        drafted = int(rng.integers(0, max(reference.current, 0) + 1))
+        accepted = int(rng.choice([0, drafted, rng.integers(0, drafted + 1)]))
+        depth.update(drafted, accepted)
+        reference.update(drafted, accepted)
+        assert depth.current == reference.current
+
+
+def test_check_rule_takes_the_two_rule_words():
+    assert [check_rule("exact"), check_rule("lossy"), check_rule(Accept.LOSSY)] == ["exact", "lossy", "lossy"]
+    with pytest.raises(DuetError, match=r"^unknown acceptance rule 'greedy'; choose exact or lossy$"):
+        check_rule("greedy")
+
+
+@pytest.mark.parametrize("rule,expected", [(LOSSY, (3, 2, 2)), (EXACT, (1, 1, 0))])
+def test_the_cycle_goes_on_after_each_keep_and_counts_every_lossy_one(rule, expected):
+    """A scripted cycle, worked out from the rules by hand. Every row has p = (0.4, 0.4, 0.2) and
+    every draft is token 0 with q = (0.8, 0.1, 0.1): kept with probability p(0)/q(0) = 1/2, else r
+    is drawn from norm(max(0, p - q)) = (0, 3/4, 1/4).
+    Draft 0: u = 0.3 < 1/2, kept. Draft 1: u = 0.9, rejected; r at u = 0.1 is token 1, and
+    p(0) >= p(1) (a tie) keeps it under the lossy rule (1 lossy keep), while the exact rule commits
+    r = 1 there: (1, 1, 0). Draft 2: the same, 2 lossy keeps. The bonus from row 3 at u = 0.9 is
+    token 2 (cumulative 0.4, 0.8, 1.0)."""
+    with np.errstate(divide="ignore"):
+        rows = np.log(np.tile(np.array([0.4, 0.4, 0.2], dtype=np.float32), (4, 1)))
+    q = np.array([0.8, 0.1, 0.1])
+    verdict = accept(rule, rows, Draft([0, 0, 0], [q, q, q]), scripted_sampler(0.3, 0.9, 0.1, 0.9, 0.1, 0.9))
+    assert (verdict.accepted, verdict.next_token, verdict.lossy) == expected
+
+
+def test_no_drafter_drafts_nothing():
+    draft = NoDrafter().propose([1, 2, 1, 2], 4, Sampler(SamplingParams()))
+    assert (draft.tokens, draft.q) == ([], [])
