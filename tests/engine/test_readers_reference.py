@@ -402,6 +402,11 @@ def test_llamacpp_tensors_read_as_the_gguf_package_reads_them(path):
     assert ckpt.file_of("lm_head.weight") == path and ckpt.model_dir == path
     assert "lm_head.missing" not in ckpt and "model.layers.0.mlp.up_proj.weight" not in ckpt.quantized
     assert "lm_head.missing" not in ckpt.quantized
+    if not moe:  # the MTP block: blk.{n_layer}.nextn.* (REFERENCE.md section 2)
+        n = reader.fields["qwen35.block_count"].contents() - 1
+        np.testing.assert_array_equal(ckpt.read_f32("mtp.fc.weight"), reader_data(reader, f"blk.{n}.nextn.eh_proj.weight"))
+        np.testing.assert_array_equal(ckpt.read_f32("mtp.layers.0.mlp.up_proj.weight"), reader_data(reader, f"blk.{n}.ffn_up.weight"))
+    assert all(type(entry.nbytes) is int for entry in ckpt.entries.values())
     assert ckpt.config.eos_token_ids == (reader.fields["tokenizer.ggml.eos_token_id"].contents(),)
     head = next(t for t in reader.tensors if t.name == "output.weight")
     assert ckpt.info("lm_head.weight") == TensorInfo("lm_head.weight", "F32", tuple(int(d) for d in reversed(head.shape)),
@@ -512,6 +517,9 @@ def test_files_the_loader_refuses(tmp_path):
     q5 = rewrite(QWEN35_MTP, tmp_path / "q5.gguf", {"blk.0.ffn_up.weight": Q.Q5_0})
     expect_refused(q5, "tensor blk.0.ffn_up.weight is Q5_0, a block type duet does not read; supported: "
                        "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS")
+    no_heads = rewrite(QWEN35_MTP, tmp_path / "heads.gguf", keys={"qwen35.attention.head_count": (0, gguf.GGUFValueType.UINT32)})
+    expect_refused(no_heads, "metadata key qwen35.attention.head_count is 0, not an integer from 1 to 1048576; "
+                             "the file is corrupt, download it again or convert it again")
     llama = rewrite(QWEN35_MTP, tmp_path / "llama.gguf", keys={"general.architecture": ("llama", gguf.GGUFValueType.STRING)})
     expect_refused(llama, "GGUF architecture 'llama' (key general.architecture) is not supported; "
                           "duet reads qwen35, qwen35moe, qwen3next")
