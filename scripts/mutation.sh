@@ -33,7 +33,8 @@ process_isolation = "forkserver"
 timeout_constant = 60.0
 TOML
 cd "$stage"
-mutmut run --max-children "${MUTATION_JOBS:-2}" || true
+# mutmut redraws a progress line hundreds of times: keep it in a log, print the summary below.
+mutmut run --max-children "${MUTATION_JOBS:-2}" >"$stage/run.log" 2>&1 || true
 mutmut results --all true >"$stage/results.txt" || true
 python - "$stage/results.txt" <<'PY'
 import collections, sys
@@ -42,4 +43,4 @@ killed = counts.get("killed", 0) + counts.get("timeout", 0)
 total = sum(counts.values())
 print(dict(counts), f"score {killed}/{total} = {killed / max(total, 1):.1%}")
 PY
-echo "survivors: cd $stage && mutmut results; mutmut show NAME"
+echo "log: $stage/run.log; survivors: cd $stage && mutmut results; mutmut show NAME"
