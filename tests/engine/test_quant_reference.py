@@ -363,8 +363,9 @@ def test_level_of_every_state_is_the_definition(k):
     expected = levels_by_hand(c)
     for state in (0, 1, 2, 255, 256, 0x1234, 0x8000, 0xFFFF):
         assert expected[state] == level_by_hand(state, c)
-    assert np.array_equal(T.level_of_states(np.arange(1 << 16), c), expected)
-    assert np.array_equal(T.level_of_states_dp4a(np.arange(1 << 16), c), expected)
+    plain, gpu_form = T.level_of_states(np.arange(1 << 16), c), T.level_of_states_dp4a(np.arange(1 << 16), c)
+    assert np.array_equal(plain, expected) and np.array_equal(gpu_form, expected)
+    assert plain.dtype == gpu_form.dtype == np.int16  # "int8 as int16 values", both forms
     table = T.level_table(k)
     assert table.dtype == np.float32 and np.array_equal(table, expected.astype(np.float32))
 
@@ -547,9 +548,33 @@ def fp32_rotation_bound(x: np.ndarray, seed: int) -> np.ndarray:
     return np.broadcast_to(16 * 2.0**-24 * l1 / np.sqrt(128), (l1.shape[0], 128)).reshape(x.shape)
 
 
+def butterflies_fp32(x: np.ndarray) -> np.ndarray:
+    """The fast Walsh-Hadamard transform as the module docstring says it is computed: float32, stage
+    h = 1, 2, 4 .. 64 replaces (y[i], y[i + h]) by (y[i] + y[i + h], y[i] - y[i + h]) for i with bit h
+    clear, then times float32(1 / sqrt(128)). Same operations, so the same bits."""
+    y = np.array(x, np.float32).reshape(-1, 128)
+    h = 1
+    while h < 128:
+        first = np.array([i for i in range(128) if not i & h])
+        a, b = y[:, first].copy(), y[:, first + h].copy()
+        y[:, first], y[:, first + h] = a + b, a - b
+        h *= 2
+    return (y * np.float32(1 / np.sqrt(128))).reshape(np.shape(x))
+
+
+def test_rotation_is_fp32_butterflies_of_the_signed_input():
+    x = np.random.default_rng(69).standard_normal((2, 3, 256)).astype(np.float32)  # x [..., K]
+    signs = signs_by_hand(256, 4).astype(np.float32)
+    assert np.array_equal(T.rotate_inputs(x, 4), butterflies_fp32(x * signs))
+    assert np.array_equal(T.unrotate_inputs(x, 4), butterflies_fp32(x) * signs)
+    assert np.array_equal(T.rotate_inputs(x[0, 0], 4), butterflies_fp32(x[0, 0] * signs))  # one vector
+    assert T.rotate_inputs(x[0, 0], 4).dtype == T.unrotate_inputs(x[0, 0], 4).dtype == np.float32
+
+
 def test_rotation_is_the_signed_sylvester_transform():
     x = np.random.default_rng(70).standard_normal((3, 256)).astype(np.float32)
-    assert np.array_equal(T.rotation_signs(256, 9), signs_by_hand(256, 9).astype(np.float32))
+    signs = T.rotation_signs(256, 9)
+    assert signs.dtype == np.float32 and np.array_equal(signs, signs_by_hand(256, 9))
     rotated = T.rotate_inputs(x, 9)
     assert rotated.dtype == np.float32 and rotated.shape == x.shape
     assert np.all(np.abs(rotated - rotate_by_matrix(x, 9)) <= fp32_rotation_bound(x, 9))
@@ -607,7 +632,8 @@ def test_trellis_take_rows_moves_bands():
     assert np.array_equal(taken.row_scale, weight.row_scale[rows])
     assert np.array_equal(taken.decode_rows(0, 32)[0].reshape(32, -1), levels[rows])
     for bad in (np.arange(8), np.arange(1, 17), np.r_[0:15, 16]):
-        with pytest.raises(T.DuetError, match="cut a tile"):
+        with pytest.raises(T.DuetError, match=r"^a trellis weight \[48, 256\] codes rows in 16-row tiles; this model "
+                                              r"splits it at rows that cut a tile: convert it to int4 instead$"):
             weight.take_rows(bad)
 
 
@@ -637,6 +663,7 @@ def test_quantize_matrix_codes_the_unit_rms_rotated_tiles(monkeypatch):
     by_tile = np.array([[target[(r // 16) * 16 + c // 8, (r % 16) * 8 + c % 8] for c in range(128)] for r in range(32)])
     assert np.all(np.abs(by_tile - expected) <= bound)
     assert q.shape == (32, 128) and q.k == 3 and q.seed == 5 and q.packed.shape == (32, 48)
+    assert q.row_scale.dtype == np.float32  # float32 [N], as the class documents
     np.testing.assert_allclose(q.row_scale, rms * step, rtol=2.0**-20)  # fp32 rms of an fp32 rotation
 
 
