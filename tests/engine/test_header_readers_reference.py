@@ -1,0 +1,681 @@
+"""The header-only readers (engine/checkpoint/headers.py) against independent references (issue 16, item 7).
+
+Every expected value comes from outside the code under test: what a GGUF file holds from the `gguf` package
+(GGUFReader; files written by its GGUFWriter, split files by its own shard naming) or from bytes laid out here
+as the GGUF format defines them; what a safetensors file holds from the `safetensors` library (safe_open) and
+huggingface_hub's own header reader (HfApi.get_safetensors_metadata against tests/app/fake_hub.py); what an
+HTTP range is from RFC 9110 (`bytes=first-last`, inclusive). Remote reads run against an in-process
+httpx.MockTransport that answers as the hub does and records every request.
+
+Fast on purpose (about a second): mutmut re-runs these tests for every mutant of headers.py.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import gguf
+import httpx
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as T
+
+import headeronly as ho
+from duet.engine.checkpoint import headers as hd
+from duet.engine.checkpoint.headers import read_gguf_header, read_headers
+from duet.engine.checkpoint.safetensors import TensorInfo
+from duet.engine.errors import CheckpointError, DuetError
+
+
+
+# --- GGUF files written by the gguf package ---------------------------------------------------------------
+
+SCALAR_KEYS = [("k.u8", 200, T.UINT8), ("k.i8", -100, T.INT8), ("k.u16", 60000, T.UINT16), ("k.i16", -30000, T.INT16),
+               ("k.u32", 4_000_000_000, T.UINT32), ("k.i32", -2_000_000_000, T.INT32), ("k.f32", 0.25, T.FLOAT32),
+               ("k.bool", True, T.BOOL), ("k.false", False, T.BOOL), ("k.u64", 2**63 + 5, T.UINT64),
+               ("k.i64", -2**62, T.INT64), ("k.f64", 1.0 / 3.0, T.FLOAT64), ("k.str", "größe ✓", T.STRING)]
+ARRAY_KEYS = [("a.u8", [1, 2, 255], T.UINT8), ("a.i16", [-5, 7], T.INT16), ("a.f32", [0.5, -1.5], T.FLOAT32),
+              ("a.str", ["x", "", "yz"], T.STRING), ("a.bool", [True, False], T.BOOL),
+              ("a.1024", list(range(1024)), T.UINT32), ("a.1025", list(range(1025)), T.UINT16),
+              ("a.strs", [f"t{i}" for i in range(1500)], T.STRING), ("a.i64", list(range(-3, 2000)), T.INT64),
+              ("after", 7, T.UINT32)]  # read after the skipped arrays: they were stepped over exactly
+TENSORS = {"f32": (Q.F32, (3, 5)), "f16": (Q.F16, (4, 2)), "bf16": (Q.BF16, (2, 2, 3)), "q8": (Q.Q8_0, (3, 64)),
+           "q4k": (Q.Q4_K, (2, 256)), "iq4": (Q.IQ4_XS, (1, 256)), "i8": (Q.I8, (7,)), "four": (Q.F32, (1, 2, 1, 3))}
+
+
+def write_with_gguf(path: Path, alignment: int | None = None, tensors=TENSORS, keys=SCALAR_KEYS + ARRAY_KEYS) -> Path:
+    writer = gguf.GGUFWriter(path, "qwen35")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    for name, value, vtype in keys:
+        writer.add_key_value(name, value, T.ARRAY if isinstance(value, list) else vtype, vtype if isinstance(value, list) else None)
+    data = 0
+    for name, (kind, shape) in tensors.items():
+        nbytes = ho.quant_bytes(kind, shape)
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=kind)
+        data += -(-nbytes // (alignment or 32)) * (alignment or 32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with open(path, "r+b") as f:  # the data: a hole after the padded header
+        f.truncate(-(-path.stat().st_size // (alignment or 32)) * (alignment or 32) + data)
+    return path
+
+
+def reader_keys(reader: gguf.GGUFReader) -> dict:
+    """Keys as GGUFReader gives them; arrays longer than 1024 items are kept as None (the reader's rule)."""
+    out = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        value = field.contents()
+        out[name] = None if field.types[0] == T.ARRAY and len(field.data) > 1024 else value
+    return out
+
+
+def reader_tensors(reader: gguf.GGUFReader) -> dict[str, TensorInfo]:
+    return {t.name: TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
+                               int(t.data_offset), int(t.data_offset) + int(t.n_bytes)) for t in reader.tensors}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+@pytest.mark.parametrize("alignment", [None, 64, 1, 256])
+def test_keys_and_tensors_read_as_ggufreader_reads_them(made, alignment):
+    path = write_with_gguf(made / f"keys{alignment}.gguf", alignment)
+    tensors, metadata = read_gguf_header(path)
+    reader = gguf.GGUFReader(path)
+    assert metadata == reader_keys(reader)
+    assert [type(metadata[k]) for k, *_ in SCALAR_KEYS] == [type(v) for _, v, _ in SCALAR_KEYS]
+    assert tensors == reader_tensors(reader) and list(tensors) == [t.name for t in reader.tensors]
+
+
+def test_version_2_is_read_and_versions_1_and_4_are_refused_as_ggufreader_refuses_them(made):
+    data = write_with_gguf(made / "v.gguf").read_bytes()
+    v2 = made / "v2.gguf"
+    v2.write_bytes(data[:4] + struct.pack("<I", 2) + data[8:])
+    assert read_gguf_header(v2) == read_gguf_header(made / "v.gguf")
+    gguf.GGUFReader(v2)
+    for version in (1, 4):
+        bad = made / f"v{version}.gguf"
+        bad.write_bytes(data[:4] + struct.pack("<I", version) + data[8:])
+        with pytest.raises(ValueError):
+            gguf.GGUFReader(bad)
+        assert refused(bad) == f"{bad}: GGUF version {version} is not supported (2 and 3 are)"
+
+
+# --- GGUF bytes laid out as the format defines them ------------------------------------------------------
+
+def s(text: str | bytes) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def kv(key: str, vtype: int, payload: bytes) -> bytes:
+    return s(key) + struct.pack("<I", vtype) + payload
+
+
+def ti(name: str | bytes, dims: tuple[int, ...], ggml_type: int, offset: int) -> bytes:
+    """Tensor info: dims innermost first, as the file stores them."""
+    return s(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<II", ggml_type, 0)[:4] + struct.pack("<Q", offset)
+
+
+def raw_gguf(path: Path, keys: list[bytes], infos: list[bytes], data_bytes: int, alignment: int = 32, version: int = 3,
+             n_tensors: int | None = None, n_keys: int | None = None, pad: bool = True) -> Path:
+    head = b"GGUF" + struct.pack("<IQQ", version, len(infos) if n_tensors is None else n_tensors,
+                                 len(keys) if n_keys is None else n_keys) + b"".join(keys) + b"".join(infos)
+    if pad:
+        head += b"\0" * (-len(head) % alignment)
+    path.write_bytes(head + b"\x11" * data_bytes)
+    return path
+
+
+def refused(path: Path) -> str:
+    with pytest.raises(CheckpointError) as caught:
+        read_gguf_header(path)
+    return str(caught.value)
+
+
+def test_offsets_out_of_file_order_and_the_last_tensor_ending_at_the_end(tmp_path):
+    infos = [ti("b", (4,), Q.F32, 32), ti("a", (8,), Q.F16, 0), ti("c", (2, 3), Q.F32, 64)]  # c: 24 bytes, to EOF
+    path = raw_gguf(tmp_path / "order.gguf", [], infos, 64 + 24)
+    tensors, metadata = read_gguf_header(path)
+    assert tensors == reader_tensors(gguf.GGUFReader(path)) and list(tensors) == ["b", "a", "c"] and metadata == {}
+    assert tensors["c"].end == path.stat().st_size
+
+
+def test_no_tensors_and_a_file_that_ends_with_its_header(tmp_path):
+    path = raw_gguf(tmp_path / "empty.gguf", [kv("x", 4, struct.pack("<I", 9)), kv("e", 9, struct.pack("<IQ", 4, 0))], [], 0, pad=False)
+    assert read_gguf_header(path) == ({}, {"x": 9, "e": []})
+    assert reader_keys(gguf.GGUFReader(path)) == {"x": 9, "e": []}
+
+
+def test_scalar_tensor_eight_dims_and_a_type_gguf_does_not_know(tmp_path):
+    infos = [ti("scalar", (), Q.F32, 0), ti("eight", (1,) * 7 + (2,), Q.F16, 32), ti("custom", (10,), 200, 64)]
+    path = raw_gguf(tmp_path / "dims.gguf", [], infos, 64 + 50)
+    tensors, _ = read_gguf_header(path)
+    same_layout = infos[:2] + [ti("custom", (10,), Q.I8, 64)]  # the header has the same length
+    reference = reader_tensors(gguf.GGUFReader(raw_gguf(tmp_path / "ref.gguf", [], same_layout, 64 + 50)))
+    assert tensors["scalar"] == reference["scalar"] and tensors["eight"] == reference["eight"]
+    begin = reference["custom"].begin
+    assert tensors["custom"] == TensorInfo("custom", "ggml type 200", (10,), begin, begin + 50)  # to the end of the file
+
+
+def alignment_key(vtype: int, payload: bytes) -> bytes:
+    return kv("general.alignment", vtype, payload)
+
+
+@pytest.mark.parametrize("key, shown", [(alignment_key(4, struct.pack("<I", 48)), "48"), (alignment_key(4, struct.pack("<I", 0)), "0"),
+                                        (alignment_key(5, struct.pack("<i", -32)), "-32"), (alignment_key(6, struct.pack("<f", 32.0)), "32.0"),
+                                        (alignment_key(7, b"\x01"), "True"), (alignment_key(8, s("32")), "'32'")])
+def test_an_alignment_that_is_not_a_power_of_two_is_refused(tmp_path, key, shown):
+    path = raw_gguf(tmp_path / "align.gguf", [key], [ti("t", (4,), Q.F32, 0)], 64)
+    assert refused(path) == f"{path}: general.alignment {shown} is not a power of two; the file is corrupt"
+
+
+def test_a_custom_alignment_moves_the_data(tmp_path):
+    path = raw_gguf(tmp_path / "a.gguf", [alignment_key(4, struct.pack("<I", 128))], [ti("t", (4,), Q.F32, 128)], 128 + 16, alignment=128)
+    tensors, _ = read_gguf_header(path)
+    assert tensors == reader_tensors(gguf.GGUFReader(path)) and tensors["t"].begin % 128 == 0
+    unaligned = raw_gguf(tmp_path / "u.gguf", [alignment_key(4, struct.pack("<I", 128))], [ti("t", (4,), Q.F32, 96)], 256, alignment=128)
+    assert refused(unaligned) == f"{unaligned}: tensor t has offset 96, outside the file or unaligned; the file is truncated or corrupt"
+
+
+MSG_TRUNC = "file ends inside its GGUF header; it is truncated, re-download it"
+
+
+def test_malformed_headers_are_refused_with_one_line(tmp_path):
+    def case(name, keys=(), infos=(), data=64, **kw):
+        return refused(raw_gguf(tmp_path / f"{name}.gguf", list(keys), list(infos), data, **kw)).split(": ", 1)[1]
+
+    assert refused(_magic(tmp_path)) == f"{tmp_path / 'm.gguf'}: not a GGUF file (the magic bytes are wrong)"
+    assert case("dupkey", [kv("x", 0, b"\1"), kv("x", 0, b"\2")]) == "GGUF key x appears twice; the file is corrupt, re-download it"
+    assert case("duptensor", infos=[ti("t", (4,), Q.F32, 0), ti("t", (4,), Q.F32, 32)]) == \
+        "tensor t appears twice; the file is corrupt, re-download it"
+    assert case("dims", infos=[ti("t", (1,) * 9, Q.F32, 0)]) == "tensor t has 9 dimensions; the file is corrupt"
+    assert case("vtype", [kv("x", 13, b"\0" * 8)]) == "GGUF value type 13 is unknown; the file is corrupt or too new"
+    assert case("nested", [kv("x", 9, struct.pack("<IQ", 9, 1))]) == \
+        "GGUF array of value type 9 is not supported; the file is corrupt or too new"
+    assert case("arr13", [kv("x", 9, struct.pack("<IQ", 13, 1))]) == \
+        "GGUF array of value type 13 is not supported; the file is corrupt or too new"
+    assert case("utf8", infos=[ti(b"\xff\xfe", (4,), Q.F32, 0)]) == "a GGUF key or tensor name is not UTF-8; the file is corrupt"
+    assert case("rows", infos=[ti("t", (33, 2), Q.Q8_0, 0)]) == \
+        "tensor t: rows of 33 are not whole Q8_0 blocks of 32; the file is corrupt"
+    assert case("overlap", infos=[ti("a", (16,), Q.F32, 0), ti("b", (4,), Q.F32, 32)]) == \
+        "tensor a runs into the next tensor or past the end of the file; the file is truncated or corrupt"
+    assert case("pastend", infos=[ti("a", (20,), Q.F32, 0)]) == \
+        "tensor a runs into the next tensor or past the end of the file; the file is truncated or corrupt"
+    assert case("offset", infos=[ti("a", (1,), Q.F32, 96)]) == \
+        "tensor a has offset 96, outside the file or unaligned; the file is truncated or corrupt"
+    assert case("count", n_keys=(1 << 26) + 1) == f"GGUF header claims {(1 << 26) + 1} entries; the file is corrupt, re-download it"
+    assert case("maxcount", n_tensors=1 << 26, data=0, pad=False) == MSG_TRUNC  # the largest count is believed, then the file ends
+    assert case("cut", [kv("x", 8, struct.pack("<Q", 500) + b"ab")], data=0, pad=False) == MSG_TRUNC
+
+
+def _magic(tmp_path: Path) -> Path:
+    path = raw_gguf(tmp_path / "m.gguf", [], [], 64)
+    path.write_bytes(b"GGUX" + path.read_bytes()[4:])
+    return path
+
+
+def test_exact_fits_at_the_end_of_the_file(tmp_path):
+    # a tensor of exactly its room, and one beginning exactly at the end of the file (zero bytes)
+    path = raw_gguf(tmp_path / "fit.gguf", [], [ti("a", (8,), Q.F32, 0), ti("z", (0,), Q.F32, 32)], 32)
+    tensors, _ = read_gguf_header(path)
+    assert tensors == reader_tensors(gguf.GGUFReader(path))
+    assert refused(raw_gguf(tmp_path / "tight.gguf", [], [ti("a", (9,), Q.F32, 0)], 32 + 3)).endswith(
+        "tensor a runs into the next tensor or past the end of the file; the file is truncated or corrupt")
+
+
+def test_a_header_past_the_limit_is_refused_before_reading(tmp_path, monkeypatch):
+    monkeypatch.setattr(hd, "MAX_HEADER_BYTES", 4096)
+    head = len(b"GGUF") + 4 + 8 + 8 + 8 + 1 + 4 + 8  # magic, version, counts, key "x", type, string length
+    fits = raw_gguf(tmp_path / "fits.gguf", [kv("x", 8, s("a" * (4096 - head)))], [], 0, pad=False)
+    assert read_gguf_header(fits)[1] == {"x": "a" * (4096 - head)}
+    over = raw_gguf(tmp_path / "over.gguf", [kv("x", 8, s("a" * (4097 - head)))], [], 0, pad=False)
+    assert refused(over) == f"{over}: GGUF header runs past 0 MiB, more than any model's; the file is corrupt, re-download it"
+
+
+def test_an_unreadable_file_is_one_line(tmp_path):
+    with pytest.raises(CheckpointError) as caught:
+        read_gguf_header(tmp_path)  # a folder: open() fails
+    assert str(caught.value) == f"{tmp_path}: cannot read the file (Is a directory)"
+
+
+# --- local folders and files ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_gguf(made) -> Path:
+    return ho.write_27b_gguf(made / "model.gguf")
+
+
+def test_read_headers_of_a_gguf_file(model_gguf, monkeypatch):
+    monkeypatch.setenv("HOME", str(model_gguf.parent))
+    headers = read_headers("~/model.gguf")
+    assert (headers.source, headers.format, headers.files) == ("~/model.gguf", "gguf", (str(model_gguf),))
+    assert headers.file_bytes == model_gguf.stat().st_size and headers.config.num_hidden_layers == ho.LAYERS
+    assert headers.tensors == reader_tensors(gguf.GGUFReader(model_gguf))
+
+
+@pytest.fixture(scope="module")
+def split_parts(made) -> list[Path]:
+    folder = made / "split"
+    folder.mkdir()
+    writer = gguf.GGUFWriter(folder / "Model.gguf", "qwen35", split_max_tensors=3)
+    for name, value, vtype in SCALAR_KEYS:
+        writer.add_key_value(name, value, vtype)
+    for i in range(7):
+        writer.add_tensor(f"t{i}", np.full((i + 1, 32), i, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return sorted(folder.glob("*.gguf"))
+
+
+@pytest.fixture
+def any_config(monkeypatch) -> list:
+    """gguf_config (gguf_names.py, tested elsewhere) replaced: what it was given is kept, the file's name returned."""
+    given = []
+    monkeypatch.setattr(hd, "gguf_config", lambda meta, shapes, where: (given.append((meta, shapes, where)), where)[1])
+    return given
+
+
+def test_split_gguf_as_the_gguf_package_writes_and_reads_it(split_parts, any_config, tmp_path):
+    parts, folder = split_parts, split_parts[0].parent
+    assert [p.name for p in parts] == [f"Model-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
+    expected, sizes = {}, 0
+    for part in parts:
+        expected |= reader_tensors(gguf.GGUFReader(part))
+        sizes += part.stat().st_size
+    first_keys = reader_keys(gguf.GGUFReader(parts[0]))
+    for source in (parts[0], folder):
+        headers = read_headers(str(source))
+        assert headers.tensors == expected and headers.files == tuple(map(str, parts)) and headers.file_bytes == sizes
+        assert headers.config == str(parts[0]) and headers.format == "gguf"
+    assert any_config[0] == (first_keys, {n: t.shape for n, t in expected.items()}, str(parts[0])) == any_config[1]
+    (tmp_path / parts[0].name).write_bytes(parts[0].read_bytes())
+    (tmp_path / parts[2].name).write_bytes(parts[2].read_bytes())
+    parts = [tmp_path / p.name for p in parts]
+    with pytest.raises(CheckpointError) as caught:
+        read_headers(str(parts[0]))
+    assert str(caught.value) == f"{parts[0]}: split GGUF file Model-00002-of-00003.gguf is missing; download every part"
+
+
+def test_which_gguf_in_a_folder_is_the_model(tmp_path, model_gguf):
+    with pytest.raises(CheckpointError) as caught:
+        read_headers(str(tmp_path))
+    assert str(caught.value) == f"{tmp_path}: no config.json with safetensors and no .gguf file here; not a model"
+    (tmp_path / "config.json").write_text("{}")  # a config.json without safetensors is not a safetensors model
+    (tmp_path / "mmproj-F16.gguf").write_bytes(b"GGUF")
+    (tmp_path / "Other-00002-of-00002.gguf").write_bytes(b"GGUF")
+    (tmp_path / "Model.gguf").symlink_to(model_gguf)
+    assert read_headers(str(tmp_path)).files == (str(tmp_path / "Model.gguf"),)
+    for name in ("a.gguf", "b-00001-of-00002.gguf", "c.gguf", "d.gguf", "e.gguf"):
+        (tmp_path / name).write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError) as caught:
+        read_headers(str(tmp_path))
+    assert str(caught.value) == (f"{tmp_path}: holds 6 GGUF models (Model.gguf, a.gguf, b-00001-of-00002.gguf, c.gguf, d.gguf, "
+                                 "e.gguf); name the file you mean")
+    (tmp_path / "f.gguf").write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError) as caught:
+        read_headers(str(tmp_path))
+    assert str(caught.value) == (f"{tmp_path}: holds 7 GGUF models (Model.gguf, a.gguf, b-00001-of-00002.gguf, c.gguf, d.gguf, "
+                                 "e.gguf, ...); name the file you mean")
+
+
+def test_a_file_that_is_not_gguf_and_a_name_that_is_nothing(tmp_path):
+    (tmp_path / "model.bin").write_bytes(b"x")
+    with pytest.raises(CheckpointError) as caught:
+        read_headers(str(tmp_path / "model.bin"))
+    assert str(caught.value) == f"{tmp_path / 'model.bin'}: not a .gguf file; pass a model folder or a GGUF file"
+    for source in ("nothing-here", "a/b/c.txt", "a/b c", str(tmp_path / "missing")):
+        with pytest.raises(DuetError) as caught:
+            read_headers(source)
+        assert str(caught.value) == f"{source}: no such file or folder, and not a hub repo id (owner/name)"
+
+
+@pytest.fixture(scope="module")
+def st_folder(made) -> Path:
+    folder = made / "st"
+    folder.mkdir()
+    rng = np.random.default_rng(3)
+    safetensors.numpy.save_file({"w.a": rng.standard_normal((3, 4)).astype(np.float32), "w.b": np.arange(6, dtype=np.int8),
+                                 "w.c": np.zeros((2, 2, 2), np.float16)}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(ho.config_27b()))
+    return folder
+
+
+def library_tensors(path: Path) -> dict[str, TensorInfo]:
+    """dtype, shape and absolute byte range of each tensor: safe_open, and the u64 header length."""
+    n = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    header = json.loads(path.read_bytes()[8:8 + n])
+    out = {}
+    with safetensors.safe_open(path, "np") as f:
+        for name in f.keys():
+            sl = f.get_slice(name)
+            begin, end = header[name]["data_offsets"]
+            out[name] = TensorInfo(name, sl.get_dtype(), tuple(sl.get_shape()), 8 + n + begin, 8 + n + end)
+    return out
+
+
+def test_a_safetensors_folder(st_folder):
+    headers = read_headers(str(st_folder))
+    path = st_folder / "model.safetensors"
+    assert (headers.source, headers.format, headers.files, headers.file_bytes) == \
+           (str(st_folder), "safetensors", (str(path),), path.stat().st_size)
+    assert headers.tensors == library_tensors(path) and headers.config.num_hidden_layers == ho.LAYERS
+
+
+# --- the hub: an in-process transport that answers as the hub does ------------------------------------------
+
+class MockHub:
+    """Serves `files` (name -> bytes) of repo o/r; `status` forces an answer; records every request."""
+
+    def __init__(self, files: dict[str, bytes], ranges: bool = True, sizes: bool = True):
+        self.files, self.ranges, self.sizes = files, ranges, sizes
+        self.status: dict[str, int] = {}
+        self.requests: list[httpx.Request] = []
+        self.empty: set[str] = set()
+        self.short: set[str] = set()  # answered one byte short of the range, the size still whole
+        self.listing: bytes | None = None
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        path = request.url.raw_path.decode()
+        if path.startswith("/api/models/"):
+            body = self.listing if self.listing is not None else json.dumps({"siblings": [{"rfilename": f} for f in self.files]}).encode()
+            return httpx.Response(self.status.get("listing", 200), content=body)
+        prefix = "/o/r/resolve/"
+        assert path.startswith(prefix), path
+        name = path[len(prefix):].partition("/")[2]
+        name = httpx.URL("http://x/" + name).path[1:]
+        if name in self.status:
+            return httpx.Response(self.status[name])
+        data = self.files.get(name)
+        if data is None:
+            return httpx.Response(404)
+        wanted = request.headers.get("range")
+        if wanted and self.ranges:
+            first, last = map(int, wanted.removeprefix("bytes=").split("-"))  # RFC 9110: both inclusive
+            if first >= len(data):
+                return httpx.Response(416)
+            body = b"" if name in self.empty else data[first:last + 1 - (name in self.short and first > 0)]
+            headers = {"content-range": f"bytes {first}-{first + len(body) - 1}/{len(data)}"} if self.sizes else {}
+            return httpx.Response(206, headers=headers, content=body)
+        if not self.sizes:
+            return httpx.Response(200, content=iter([data]))  # streamed: no content-length
+        return httpx.Response(200, content=data)
+
+    def ranges_of(self, name: str) -> list[str | None]:
+        return [r.headers.get("range") for r in self.requests if r.url.path.endswith("/" + name)]
+
+
+@pytest.fixture
+def serve(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://hub.test/")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    real = httpx.Client
+
+    def start(hub: MockHub):
+        class Client(real):
+            def __init__(self, **kwargs):
+                super().__init__(transport=httpx.MockTransport(hub), **kwargs)
+        monkeypatch.setattr(httpx, "Client", Client)
+        return hub
+    return start
+
+
+def folder_files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_remote_safetensors_fetch_the_length_and_the_header_exactly(st_folder, serve):
+    hub = serve(MockHub(folder_files(st_folder)))
+    headers = read_headers("o/r")
+    path = st_folder / "model.safetensors"
+    assert headers.tensors == library_tensors(path) and headers.file_bytes == path.stat().st_size
+    assert (headers.source, headers.format, headers.files) == ("o/r", "safetensors", ("o/r/model.safetensors",))
+    assert headers.config.num_hidden_layers == ho.LAYERS
+    n = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    assert [str(r.url) for r in hub.requests] == ["http://hub.test/api/models/o/r/revision/main",
+                                                  "http://hub.test/o/r/resolve/main/config.json",
+                                                  "http://hub.test/o/r/resolve/main/model.safetensors",
+                                                  "http://hub.test/o/r/resolve/main/model.safetensors"]
+    assert [r.headers.get("range") for r in hub.requests] == [None, None, "bytes=0-7", f"bytes=8-{8 + n - 1}"]
+    assert all(r.headers["user-agent"] == "duet" and "authorization" not in r.headers for r in hub.requests)
+
+
+def test_remote_shards_as_huggingface_hub_writes_them(tmp_path, serve):
+    """Shards and index as huggingface_hub splits them (the sharding save_pretrained uses), each read by safe_open."""
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
+
+    state = {f"layer.{i}.w": np.arange(i * 40 + 40, dtype=np.float32).reshape(-1, 8) for i in range(6)} | \
+            {"emb": np.ones((5, 3), np.float16)}
+    split = split_state_dict_into_shards_factory(state, get_storage_size=lambda a: a.nbytes, max_shard_size=600,
+                                                 filename_pattern="model{suffix}.safetensors")
+    for filename, names in split.filename_to_tensors.items():
+        safetensors.numpy.save_file({n: state[n] for n in names}, tmp_path / filename)
+    index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(json.dumps(ho.config_27b()))
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    hub = serve(MockHub(folder_files(tmp_path)))
+    headers = read_headers("o/r")
+    assert len(shards) > 2 and headers.files == tuple(f"o/r/{name}" for name in shards)
+    expected = {}
+    for name in shards:
+        expected |= library_tensors(tmp_path / name)
+    assert headers.tensors == expected and set(expected) == set(weight_map) == set(state)
+    assert headers.file_bytes == sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
+    assert hub.ranges_of("model.safetensors.index.json") == [None]
+
+
+def test_remote_safetensors_without_an_index(tmp_path, serve):
+    for name in ("b.safetensors", "a.safetensors"):
+        safetensors.numpy.save_file({name: np.zeros(3, np.float32)}, tmp_path / name)
+    (tmp_path / "sub").mkdir()
+    safetensors.numpy.save_file({"sub": np.zeros(3, np.float32)}, tmp_path / "sub" / "c.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(ho.config_27b()))
+    serve(MockHub(folder_files(tmp_path)))
+    headers = read_headers("o/r")
+    assert headers.files == ("o/r/a.safetensors", "o/r/b.safetensors") and set(headers.tensors) == {"a.safetensors", "b.safetensors"}
+    safetensors.numpy.save_file({"one": np.zeros(2, np.float32)}, tmp_path / "model.safetensors")
+    serve(MockHub(folder_files(tmp_path)))
+    assert read_headers("o/r").files == ("o/r/model.safetensors",)
+
+
+def test_remote_safetensors_refusals(st_folder, serve, monkeypatch):
+    files = folder_files(st_folder)
+    config = files["config.json"]
+
+    def error(**changes) -> str:
+        serve(MockHub({k: v for k, v in (files | changes).items() if v is not None}))
+        with pytest.raises(DuetError) as caught:
+            read_headers("o/r")
+        return str(caught.value)
+
+    assert error(**{"config.json": b"{"}) == "o/r/config.json: config.json is not valid JSON"
+    assert error(**{"config.json": b"[" * 100_000 + b"]" * 100_000}) == "o/r/config.json: config.json is not valid JSON"
+    assert error(**{"config.json": b"[1]"}) == "o/r/config.json: config.json must hold a JSON object"
+    index = json.dumps({"weight_map": {"w": "model-2.safetensors"}}).encode()
+    assert error(**{hd.INDEX: index}) == "o/r/model.safetensors.index.json: names shard 'model-2.safetensors', which the repo does not have"
+    data = files["model.safetensors"]
+    assert error(**{"model.safetensors": data[:5]}) == "o/r/model.safetensors: file is truncated before its header"
+    n = struct.unpack("<Q", data[:8])[0]
+    assert error(**{"model.safetensors": data[:8 + n - 1]}).startswith("o/r/model.safetensors: ")
+    monkeypatch.setattr(hd, "MAX_JSON_BYTES", len(config))
+    serve(MockHub(files))
+    assert read_headers("o/r").format == "safetensors"  # exactly the limit is read
+    monkeypatch.setattr(hd, "MAX_JSON_BYTES", len(config) - 1)
+    assert error() == f"o/r/config.json: larger than 0 MiB; not a config or index file"
+
+
+def test_a_header_cut_inside_is_refused(serve):
+    data = safetensors.numpy.save({"w": np.zeros(4, np.float32)})
+    hub = MockHub({"config.json": json.dumps(ho.config_27b()).encode(), "model.safetensors": data})
+    hub.short.add("model.safetensors")
+    serve(hub)
+    with pytest.raises(CheckpointError) as caught:
+        read_headers("o/r")
+    assert str(caught.value) == "o/r/model.safetensors: file ends inside its header; it is truncated"
+
+
+def test_answers_of_the_hub(st_folder, serve, monkeypatch):
+    files = folder_files(st_folder)
+
+    def error(status: dict[str, int], spec: str = "o/r") -> str:
+        hub = MockHub(files)
+        hub.status = status
+        serve(hub)
+        with pytest.raises(DuetError) as caught:
+            read_headers(spec)
+        return str(caught.value)
+
+    for code in (401, 403):
+        assert error({"config.json": code}) == (f"o/r/config.json: the hub refused access (HTTP {code}); the repo is gated or "
+                                                "private: accept its terms and set HF_TOKEN")
+    assert error({"listing": 404}) == "o/r: not found on http://hub.test at revision main"
+    assert error({"model.safetensors": 416}) == "o/r/model.safetensors: the file is shorter than its header says; it is truncated"
+    assert error({"model.safetensors": 500}) == "o/r/model.safetensors: http://hub.test answered HTTP 500; try again later"
+    assert error({"model.safetensors": 302}) == "o/r/model.safetensors: http://hub.test answered HTTP 302; try again later"
+    for body in (b"not json", b"{}", b'{"siblings": [{"rfilename": 3}]}', b'{"siblings": 3}', b"[" * 100_000):
+        hub = MockHub(files)
+        hub.listing = body
+        serve(hub)
+        with pytest.raises(DuetError) as caught:
+            read_headers("o/r")
+        assert str(caught.value) == "o/r: http://hub.test answered the file listing with something that is not the hub's JSON"
+
+    def unreachable(request):
+        raise httpx.ConnectError("refused")
+    serve(unreachable)
+    with pytest.raises(DuetError) as caught:
+        read_headers("o/r")
+    assert str(caught.value) == "o/r: cannot reach http://hub.test (ConnectError); check the network or HF_ENDPOINT"
+
+
+def test_token_revision_and_endpoint(st_folder, serve, monkeypatch):
+    hub = serve(MockHub(folder_files(st_folder)))
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    read_headers("o/r", revision="refs/pr/1")
+    assert {r.headers.get("authorization") for r in hub.requests} == {"Bearer hf_secret"}
+    assert str(hub.requests[0].url) == "http://hub.test/api/models/o/r/revision/refs%2Fpr%2F1"
+    assert str(hub.requests[1].url) == "http://hub.test/o/r/resolve/refs%2Fpr%2F1/config.json"
+    monkeypatch.delenv("HF_ENDPOINT")
+    hub = serve(MockHub(folder_files(st_folder)))
+    read_headers("o/r")
+    assert str(hub.requests[0].url) == "https://huggingface.co/api/models/o/r/revision/main"
+
+
+def test_redirects_are_followed_and_the_token_stays_home(st_folder, serve, monkeypatch):
+    files = folder_files(st_folder)
+    inner = MockHub(files)
+
+    def hub(request):
+        if request.url.host == "hub.test" and request.url.path.endswith(".safetensors"):
+            inner.requests.append(request)
+            return httpx.Response(302, headers={"location": str(request.url.copy_with(host="cdn.test"))})
+        return inner(request)
+    serve(hub)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert read_headers("o/r").tensors == library_tensors(st_folder / "model.safetensors")
+    cdn = [r for r in inner.requests if r.url.host == "cdn.test"]
+    assert len(cdn) == 2 and all("authorization" not in r.headers for r in cdn)
+
+
+def test_a_server_that_ignores_ranges(st_folder, serve):
+    hub = serve(MockHub(folder_files(st_folder), ranges=False))
+    assert read_headers("o/r").tensors == library_tensors(st_folder / "model.safetensors")
+    assert hub.ranges_of("model.safetensors")[0] == "bytes=0-7"
+
+
+# --- GGUF on the hub ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def big_header(made) -> Path:
+    """A GGUF whose header is about 40 KB: with a 1 KiB first block and an 8 KiB cap, the blocks double and cap."""
+    keys = SCALAR_KEYS + [("long", "L" * 20_000, T.STRING), ("a.strs", [f"t{i}" for i in range(2000)], T.STRING)]
+    return write_with_gguf(made / "big.gguf", keys=keys)
+
+
+def test_remote_gguf_reads_in_doubling_blocks(big_header, serve, monkeypatch, any_config):
+    monkeypatch.setattr(hd, "FIRST_BLOCK", 1024)
+    monkeypatch.setattr(hd, "MAX_BLOCK", 8192)
+    data = big_header.read_bytes()
+    hub = serve(MockHub({"q/Model.gguf": data, "README.md": b"x"}))
+    headers = read_headers("o/r/q/Model.gguf")
+    assert headers.tensors == reader_tensors(gguf.GGUFReader(big_header))
+    assert (headers.files, headers.file_bytes, headers.source) == (("o/r/q/Model.gguf",), len(data), "o/r/q/Model.gguf")
+    spans = [tuple(map(int, r.removeprefix("bytes=").split("-"))) for r in hub.ranges_of("Model.gguf")]
+    assert spans[0] == (0, 1023) and all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:]))
+    lengths = [last - first + 1 for first, last in spans]
+    # doubling from 1 KiB, capped at 8 KiB; the 20 kB string is fetched in one request of what it needs
+    header_end = min(t.begin for t in headers.tensors.values())
+    assert spans[-1][1] < len(data) and spans[-1][1] + 1 >= header_end - 32
+    string_end = data.index(b"L" * 20_000) + 20_000
+    assert lengths[1] == string_end - 1024  # one request of what the string needs, more than the block (2 KiB)
+    assert lengths[2:4] == [4096, 8192] and set(lengths[4:-1]) == {8192} and len(lengths) > 5
+    assert lengths[-1] == 8192 or spans[-1][1] == len(data) - 1
+
+
+def test_remote_gguf_near_the_end_of_the_file(tmp_path, serve, monkeypatch, any_config):
+    monkeypatch.setattr(hd, "FIRST_BLOCK", 128)
+    path = raw_gguf(tmp_path / "m.gguf", [kv("x", 8, s("v" * 100))], [ti("t", (4,), Q.F32, 0)], 16)
+    data = path.read_bytes()
+    hub = serve(MockHub({"m.gguf": data}))
+    assert read_headers.__name__ and hd.read_remote_headers("o/r/m.gguf").tensors == read_gguf_header(path)[0] == \
+        reader_tensors(gguf.GGUFReader(path))
+    spans = [tuple(map(int, r.removeprefix("bytes=").split("-"))) for r in hub.ranges_of("m.gguf")]
+    assert len(data) < 128 + 256 and spans == [(0, 127), (128, len(data) - 1)]  # the second block would pass the end: only what is there
+
+
+def test_remote_gguf_refusals(big_header, serve, monkeypatch, any_config):
+    data = big_header.read_bytes()
+
+    def error(spec="o/r", **kw) -> str:
+        hub = MockHub({"Model.gguf": data}, **kw)
+        serve(hub)
+        with pytest.raises(DuetError) as caught:
+            read_headers(spec)
+        return str(caught.value)
+
+    assert error(sizes=False, ranges=False) == "o/r/Model.gguf: the server did not say how large the file is"
+    assert error("o/r/x.gguf") == "o/r: has no file x.gguf at revision main"
+    assert error("o/r/../x.gguf") == "o/r/../x.gguf: a file path in a repo may not contain '..'"
+    monkeypatch.setattr(hd, "FIRST_BLOCK", 1024)
+    hub = MockHub({"Model.gguf": data})
+    hub.empty.add("Model.gguf")
+    serve(hub)
+    with pytest.raises(DuetError) as caught:
+        read_headers("o/r")
+    assert str(caught.value) == "o/r/Model.gguf: the server sent nothing for a range inside the file"
+
+
+def test_remote_split_gguf_and_patterns(split_parts, big_header, serve, any_config):
+    parts = split_parts
+    files = {f"Q8/{p.name}": p.read_bytes() for p in parts} | {"Q4/Other.gguf": big_header.read_bytes()}
+    serve(MockHub(files))
+    headers = read_headers("o/r", patterns=("Q8/*",))
+    expected = {}
+    for part in parts:
+        expected |= reader_tensors(gguf.GGUFReader(part))
+    assert headers.tensors == expected and headers.config == f"o/r/Q8/{parts[0].name}"
+    assert headers.files == tuple(f"o/r/Q8/{p.name}" for p in parts) and headers.file_bytes == sum(p.stat().st_size for p in parts)
+    assert any_config[0][0] == reader_keys(gguf.GGUFReader(parts[0]))
+    serve(MockHub(files))
+    assert read_headers("o/r", patterns=("Q4/*", "nothing")).files == ("o/r/Q4/Other.gguf",)
+    serve(MockHub(files))
+    with pytest.raises(CheckpointError) as caught:
+        read_headers("o/r")
+    assert str(caught.value) == f"o/r: holds 2 GGUF models (Q4/Other.gguf, Q8/{parts[0].name}); name the file you mean"
