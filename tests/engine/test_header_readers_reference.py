@@ -679,3 +679,458 @@ def test_remote_split_gguf_and_patterns(split_parts, big_header, serve, any_conf
     with pytest.raises(CheckpointError) as caught:
         read_headers("o/r")
     assert str(caught.value) == f"o/r: holds 2 GGUF models (Q4/Other.gguf, Q8/{parts[0].name}); name the file you mean"
+
+
+# --- the HF folder reader (engine/checkpoint/hf.py) against transformers' own files ---------------------------
+# Built once when the module is imported (mutmut's forkserver imports it once per run): each folder is what
+# transformers' save_pretrained writes for a tiny random model; the reference values are read back with safe_open.
+
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+import torch  # noqa: E402
+from conftest import add_random_mtp_head, build_reference, split_fused_experts  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from duet.engine.checkpoint.hf import TensorPlan, checkpoint_name, qwen3_next_rows, read_weights  # noqa: E402
+from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint  # noqa: E402
+from duet.engine.config import ModelConfig  # noqa: E402
+
+
+_ROOT = Path(tempfile.mkdtemp(prefix="duet-hf-reference-"))
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
+
+
+def _save(name: str, kind: str, split: bool = False, mtp: bool = False, fused: bool = False, **overrides) -> Path:
+    folder = _ROOT / name
+    model = build_reference(kind, **overrides)
+    model.save_pretrained(folder)
+    if fused:  # the experts as transformers holds them, [E, ...] tensors (as some hub checkpoints store them)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    if split:
+        split_fused_experts(folder)
+    if mtp:
+        add_random_mtp_head(folder, model.model if hasattr(model.model, "layers") else model.model.language_model, seed=1)
+    return folder
+
+
+HF = {"text": _save("text", "qwen3_5_text"), "mm_tied": _save("mm", "qwen3_5", tie=True),
+      "moe_fused": _save("moe", "qwen3_5_moe_text", fused=True), "moe_split": _save("moes", "qwen3_5_moe", split=True),
+      "next": _save("next", "qwen3_next"), "mtp": _save("mtp", "qwen3_5_text", mtp=True),
+      "h128": _save("h128", "qwen3_5_text", hidden_size=128)}
+
+
+def open_hf(folder: Path) -> tuple[SafetensorsCheckpoint, ModelConfig]:
+    return SafetensorsCheckpoint(folder), ModelConfig.from_file(folder / "config.json")
+
+
+def saved(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in folder.glob("*.safetensors"):
+        out |= load_file(path)
+    return out
+
+
+def model_keys(names, prefix: str) -> dict[str, str]:
+    """Checkpoint name -> model key for every text-model tensor a checkpoint holds (the vision tower aside)."""
+    return {n: n.removeprefix(prefix) for n in names if not n.startswith("model.visual.")}
+
+
+@pytest.mark.parametrize("name, prefix, fused, mtp", [("text", "model.", False, False), ("mm_tied", "model.language_model.", False, False),
+                                                      ("moe_fused", "model.", True, False), ("moe_split", "model.language_model.", False, False),
+                                                      ("mtp", "model.", False, True)])
+def test_read_weights_gives_every_saved_tensor_by_model_key(name, prefix, fused, mtp):
+    ckpt, config = open_hf(HF[name])
+    calls = []
+    weights = read_weights(ckpt, config, lambda done, total: calls.append((done, total)))
+    reference = saved(HF[name])
+    keys = model_keys(reference, prefix)
+    assert set(weights.tensors) == set(keys.values())
+    for checkpoint_key, key in keys.items():
+        value = weights.tensors[key]
+        assert value.dtype == np.float32 and np.array_equal(value, reference[checkpoint_key].float().numpy()), key
+    assert (weights.has_mtp, weights.fused_experts, weights.config) == (mtp, fused, config)
+    sizes = [t.numel() * t.element_size() for t in (reference[n] for n in keys)]
+    assert [total for _, total in calls] == [sum(sizes)] * len(keys) and calls[-1][0] == sum(sizes)
+    assert sorted(done for done, _ in calls) == [done for done, _ in calls] and len({d for d, _ in calls}) == len(keys)
+    assert "lm_head.weight" in weights.tensors or config.tie_word_embeddings
+
+
+def test_without_progress_and_mtp_layers_the_file_lacks():
+    ckpt, config = open_hf(HF["text"])
+    assert set(read_weights(ckpt, config).tensors) == set(model_keys(saved(HF["text"]), "model.").values())
+    stated = ModelConfig.from_dict(json.loads((HF["text"] / "config.json").read_text()) | {"mtp_num_hidden_layers": 1})
+    assert not TensorPlan(ckpt, stated).has_mtp  # config.json promises an MTP head the files do not have
+    ckpt, config = open_hf(HF["mtp"])
+    assert not TensorPlan(ckpt, ModelConfig.from_dict(json.loads((HF["mtp"] / "config.json").read_text()) | {"mtp_num_hidden_layers": 0})).has_mtp
+    assert TensorPlan(ckpt, config, quantized=FakeQuantized(["mtp.fc.weight"])).has_mtp
+
+
+def test_qwen3_next_projections_split_as_transformers_orders_them():
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    folder = HF["next"]
+    ckpt, config = open_hf(folder)
+    weights = read_weights(ckpt, config)
+    reference = saved(folder)
+    deltanet = [i for i, kind in enumerate(config.layer_types) if kind != "full_attention"]
+    hf_config = __import__("transformers").AutoConfig.from_pretrained(folder)
+    net = Qwen3NextGatedDeltaNet(hf_config, layer_idx=deltanet[0])
+    for i in deltanet:
+        p = f"model.layers.{i}.linear_attn."
+        qkvz, ba = reference[p + "in_proj_qkvz.weight"], reference[p + "in_proj_ba.weight"]
+        # rows of the weight are the projection's outputs: feed the transposed weight as a [1, H, rows] "activation"
+        q, k, v, z, b, a = net.fix_query_key_value_ordering(qkvz.T[None], ba.T[None])
+        flat = lambda t: t.reshape(t.shape[1], -1).T.numpy()  # noqa: E731
+        key = f"layers.{i}.linear_attn."
+        assert np.array_equal(weights.tensors[key + "in_proj_qkv.weight"], np.concatenate([flat(q), flat(k), flat(v)]))
+        assert np.array_equal(weights.tensors[key + "in_proj_z.weight"], flat(z))
+        assert np.array_equal(weights.tensors[key + "in_proj_b.weight"], flat(b))
+        assert np.array_equal(weights.tensors[key + "in_proj_a.weight"], flat(a))
+        assert key + "in_proj_qkvz.weight" not in weights.tensors and key + "in_proj_ba.weight" not in weights.tensors
+    others = {n.removeprefix("model."): t for n, t in reference.items() if "in_proj_qkvz" not in n and "in_proj_ba" not in n}
+    assert set(weights.tensors) == set(others) | {f"layers.{i}.linear_attn.in_proj_{x}.weight" for i in deltanet for x in "qkv z b a".split()}
+    for key, value in others.items():
+        assert np.array_equal(weights.tensors[key], value.float().numpy()), key
+    (qkv, z), (b, a) = qwen3_next_rows(config)
+    assert len(qkv) + len(z) == reference[f"model.layers.{deltanet[0]}.linear_attn.in_proj_qkvz.weight"].shape[0]
+
+
+def test_checkpoint_names():
+    assert checkpoint_name("layers.1.mlp.up_proj.weight") == "model.layers.1.mlp.up_proj.weight"
+    assert checkpoint_name("norm.weight", "model.language_model.") == "model.language_model.norm.weight"
+    assert checkpoint_name("mtp.fc.weight", "x.") == "mtp.fc.weight" and checkpoint_name("lm_head.weight", "x.") == "lm_head.weight"
+    assert checkpoint_name("lm_headx", "x.") == "x.lm_headx" and checkpoint_name("mtpx", "x.") == "x.mtpx"
+
+
+def rewritten(tmp_path: Path, name: str, change) -> SafetensorsCheckpoint:
+    """The saved folder with its tensors changed by `change(dict)`, written by safetensors' save_file."""
+    folder = tmp_path / name
+    folder.mkdir()
+    tensors = saved(HF[name])
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text((HF[name] / "config.json").read_text())
+    return folder
+
+
+def hf_refused(folder: Path, **kw) -> str:
+    ckpt, config = open_hf(folder)
+    with pytest.raises(CheckpointError) as caught:
+        read_weights(ckpt, config, **kw)
+    return str(caught.value)
+
+
+def test_what_the_headers_refuse(tmp_path):
+    name = "model.layers.3.self_attn.k_proj.weight"
+    folder = rewritten(tmp_path, "text", lambda t: t.pop(name))
+    assert hf_refused(folder) == f"{folder}: tensor {name} is missing; the checkpoint is incomplete or not a qwen3_5_text model"
+    folder = rewritten(tmp_path, "mm_tied", lambda t: t.update({"model.language_model.norm.weight": torch.zeros(65)}))
+    assert hf_refused(folder) == (f"{folder / 'model.safetensors'}: tensor model.language_model.norm.weight has shape [65], "
+                                  "config.json implies [64]; the files do not belong together")
+    for dtype, shown in ((torch.int32, "I32"), (torch.float64, "F64")):
+        folder = tmp_path / f"d{shown}"
+        (tmp_path / f"x{shown}").mkdir()
+        folder = rewritten(tmp_path / f"x{shown}", "text", lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(dtype)})) \
+            if False else _retyped(tmp_path / f"x{shown}", dtype)
+        assert hf_refused(folder) == (f"{folder / 'model.safetensors'}: tensor model.norm.weight is {shown}; "
+                                      "this reader takes bf16/fp16/fp32 weights")
+    for dtype in (torch.float16, torch.float32):
+        folder = _retyped(tmp_path / f"ok{dtype}".replace(".", "_"), dtype)
+        ckpt, config = open_hf(folder)
+        assert np.array_equal(read_weights(ckpt, config).tensors["norm.weight"], saved(HF["text"])["model.norm.weight"].to(dtype).float().numpy())
+
+
+def _retyped(where: Path, dtype) -> Path:
+    where.mkdir(exist_ok=True)
+    return rewritten(where, "text", lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(dtype)}))
+
+
+class FakeQuantized(dict):
+    """What TensorPlan asks of the INT4 modules: membership, check, nbytes and read (quantized.py's interface)."""
+
+    def __init__(self, names, nbytes=1000):
+        super().__init__({n: None for n in names})
+        self.checked, self.size = {}, nbytes
+
+    def check(self, name, shape):
+        self.checked[name] = shape
+
+    def nbytes(self, name):
+        return self.size
+
+    def read(self, name):
+        return ("w4", name)
+
+
+def test_host_tables_and_quantized_modules(tmp_path):
+    ckpt, config = open_hf(HF["text"])
+    with pytest.raises(CheckpointError) as caught:
+        read_weights(ckpt, config, host_tables=True)
+    assert str(caught.value) == (f"{HF['text'] / 'model.safetensors'}: --host-tables needs a hidden size that is a multiple of 128 "
+                                 "for its int4 head (this model's is 64); run without it")
+    ckpt, config = open_hf(HF["h128"])
+    assert read_weights(ckpt, config, host_tables=True).tensors["lm_head.weight"].shape == (config.vocab_size, 128)
+    quantized = FakeQuantized(["lm_head.weight", "model.layers.0.mlp.up_proj.weight"])
+    with pytest.raises(CheckpointError) as caught:
+        read_weights(ckpt, config, quantized=quantized, host_tables=True)
+    assert str(caught.value) == (f"{HF['h128'] / 'model.safetensors'}: --host-tables rescores with the float head, but lm_head.weight "
+                                 "is stored quantized here; run without --host-tables")
+    ckpt, config = open_hf(HF["mm_tied"])
+    tied = FakeQuantized(["model.language_model.embed_tokens.weight"])
+    with pytest.raises(CheckpointError, match="but model.language_model.embed_tokens.weight is stored quantized"):
+        read_weights(ckpt, config, quantized=tied, host_tables=True)
+    ckpt, config = open_hf(HF["text"])
+    up = "model.layers.0.mlp.up_proj.weight"
+    quantized = FakeQuantized([up])
+    calls = []
+    weights = read_weights(ckpt, config, lambda d, t: calls.append(t), quantized=quantized)
+    assert weights.tensors["layers.0.mlp.up_proj.weight"] == ("w4", up)
+    assert quantized.checked == {up: (config.intermediate_size, config.hidden_size)}
+    reference = saved(HF["text"])
+    assert calls[0] == sum(t.numel() * t.element_size() for n, t in reference.items() if n != up) + 1000
+
+
+# --- the INT4 readers (engine/checkpoint/quantized.py) against compressed-tensors' own packing -----------------
+# Layouts (REFERENCE.md section 2): compressed-tensors weight_packed int32 [N, K/8], 8 values along K per word,
+# value i at bits 4i, stored +8; GPTQ qweight int32 [K/8, N] packed along K, scales [K/g, N], qzeros [K/g, N/8].
+# Both are packed here by compressed_tensors' pack_to_int32 (packed_dim 1 and 0) and unpacked by its
+# unpack_from_int32; the dequantized weight is scale x level, restated in plain numpy.
+
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32  # noqa: E402
+
+from duet.engine.checkpoint.quantized import GPTQ, CompressedTensors, read_quantization  # noqa: E402
+
+QN, QK = 16, 512
+
+
+def ct_pack(levels: np.ndarray) -> np.ndarray:
+    return pack_to_int32(torch.from_numpy(levels.astype(np.int8)), 4).numpy()
+
+
+def gptq_pack(levels_kn: np.ndarray) -> np.ndarray:
+    return pack_to_int32(torch.from_numpy(levels_kn.astype(np.int8)), 4, packed_dim=0).numpy()
+
+
+def ct_levels(packed: np.ndarray, shape) -> np.ndarray:
+    return unpack_from_int32(torch.from_numpy(packed), 4, torch.Size(shape)).numpy().astype(np.int64)
+
+
+def bf16_exact(shape, seed) -> np.ndarray:
+    values = np.random.default_rng(seed).uniform(1e-3, 2e-2, shape).astype(np.float32)
+    return (values.view(np.uint32) & 0xFFFF0000).view(np.float32)  # bf16 holds these exactly
+
+
+def levels_of(seed, shape) -> np.ndarray:
+    return np.random.default_rng(seed).integers(-8, 8, shape)
+
+
+CT = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "group_size": 128}}}}
+GPTQ_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+
+
+def int4_folder(where: Path, tensors: dict, quant: dict | None, nest: bool = False) -> tuple[Path, SafetensorsCheckpoint]:
+    where.mkdir(parents=True, exist_ok=True)
+    safetensors.numpy.save_file(tensors, where / "model.safetensors")
+    config = {} if quant is None else ({"text_config": {"quantization_config": quant}} if nest else {"quantization_config": quant})
+    (where / "config.json").write_text(json.dumps(config))
+    return where, SafetensorsCheckpoint(where)
+
+
+def ct_tensors(levels, scale, prefix="m", shape=None) -> dict:
+    return {f"{prefix}.weight_packed": ct_pack(levels), f"{prefix}.weight_scale": scale,
+            f"{prefix}.weight_shape": np.array(shape or levels.shape, np.int64)}
+
+
+@pytest.mark.parametrize("group", [128, 256, 512])
+def test_compressed_tensors_read_as_compressed_tensors_unpacks(tmp_path, group):
+    levels, scale = levels_of(1, (QN, QK)), bf16_exact((QN, QK // group), 2)
+    tensors = ct_tensors(levels, scale) | {"n.weight": np.ones(4, np.float32)}
+    folder, ckpt = int4_folder(tmp_path, tensors, CT)
+    modules = read_quantization(folder, ckpt)
+    assert type(modules) is CompressedTensors and modules.description == "INT4 compressed-tensors"
+    assert modules.routes == ("w4a16", "w4a8", "bf16")
+    assert "m.weight" in modules and "n.weight" not in modules and "m.weight_packed" not in modules and "x.weight" not in modules
+    modules.check("m.weight", (QN, QK))
+    w4 = modules.read("m.weight")
+    assert np.array_equal(w4.levels(), ct_levels(tensors["m.weight_packed"], (QN, QK)))
+    assert np.array_equal(w4.dequantize(), np.repeat(scale, group, axis=1) * levels)
+    assert modules.nbytes("m.weight") == sum(tensors[f"m.{s}"].nbytes for s in ("weight_packed", "weight_scale", "weight_shape"))
+
+
+def test_fp16_scales_round_to_bf16(tmp_path):
+    levels = levels_of(3, (QN, QK))
+    scale = np.random.default_rng(4).uniform(1e-3, 2e-2, (QN, QK // 128)).astype(np.float16)
+    folder, ckpt = int4_folder(tmp_path, ct_tensors(levels, scale), CT | {"quant_method": "compressed_tensors"})
+    w4 = read_quantization(folder, ckpt).read("m.weight")
+    bf16 = torch.from_numpy(scale.astype(np.float32)).to(torch.bfloat16).float().numpy()  # torch's round to bf16
+    assert np.array_equal(w4.dequantize(), np.repeat(bf16, 128, axis=1) * levels)
+
+
+def gptq_tensors(levels_kn, scales, stored_zero: int, prefix="m", g_idx=True) -> dict:
+    groups = scales.shape[0]
+    zeros = np.full((groups, levels_kn.shape[1]), stored_zero - 8)
+    out = {f"{prefix}.qweight": gptq_pack(levels_kn), f"{prefix}.scales": scales, f"{prefix}.qzeros": ct_pack(zeros)}
+    if g_idx:
+        out[f"{prefix}.g_idx"] = (np.arange(levels_kn.shape[0]) // (levels_kn.shape[0] // groups)).astype(np.int32)
+    return out
+
+
+@pytest.mark.parametrize("quant, stored_zero, nest", [
+    (GPTQ_CONFIG, 7, False), (GPTQ_CONFIG | {"checkpoint_format": "gptq_v2"}, 8, False),
+    ({"quant_method": "auto-round", "bits": 4, "sym": True, "packing_format": "auto_round:auto_gptq"}, 7, True)])
+def test_gptq_read_as_its_layout_says(tmp_path, quant, stored_zero, nest):
+    levels_kn, scales = levels_of(5, (QK, QN)), bf16_exact((QK // 128, QN), 6).astype(np.float16)
+    tensors = gptq_tensors(levels_kn, scales, stored_zero)
+    folder, ckpt = int4_folder(tmp_path, tensors, quant, nest)
+    modules = read_quantization(folder, ckpt)
+    assert type(modules) is GPTQ and modules.description == "INT4 GPTQ" and modules.stored_zero == stored_zero
+    modules.check("m.weight", (QN, QK))
+    w4 = modules.read("m.weight")
+    assert np.array_equal(w4.levels(), levels_kn.T)
+    assert np.array_equal(w4.dequantize(), (np.repeat(scales.astype(np.float32), 128, axis=0) * levels_kn).T)
+    assert modules.nbytes("m.weight") == sum(a.nbytes for a in tensors.values())
+    # without g_idx (AutoRound leaves it out) the module reads the same
+    folder, ckpt = int4_folder(tmp_path / "nog", gptq_tensors(levels_kn, scales, stored_zero, g_idx=False), quant, nest)
+    modules = read_quantization(folder, ckpt)
+    modules.check("m.weight", (QN, QK))
+    assert np.array_equal(modules.read("m.weight").dequantize(), w4.dequantize())
+
+
+def quant_refused(tmp_path, quant, tensors=None, nest=False) -> str:
+    folder, ckpt = int4_folder(tmp_path, tensors or {"x": np.zeros(1, np.float32)}, quant, nest)
+    with pytest.raises(CheckpointError) as caught:
+        read_quantization(folder, ckpt)
+    return str(caught.value).removeprefix(f"{folder / 'config.json'}: ")
+
+
+def test_quantization_configs(tmp_path):
+    assert read_quantization(*int4_folder(tmp_path / "none", {"x": np.zeros(1, np.float32)}, None)) is None
+    assert read_quantization(*int4_folder(tmp_path / "empty", {"x": np.zeros(1, np.float32)}, {})) is None
+    assert quant_refused(tmp_path / "awq", {"quant_method": "awq", "bits": 4}) == \
+        "quantization 'awq' (gptq) is not supported; duet reads compressed-tensors pack-quantized, GPTQ and AutoRound auto_gptq INT4"
+    assert quant_refused(tmp_path / "ar", {"quant_method": "auto-round", "packing_format": "auto_round:auto_awq"}) == \
+        "quantization 'auto-round' (auto_round:auto_awq) is not supported; duet reads compressed-tensors pack-quantized, GPTQ and AutoRound auto_gptq INT4"
+    assert quant_refused(tmp_path / "fmt", CT | {"format": "float-quantized"}) == \
+        "compressed-tensors format 'float-quantized' is not supported; duet reads pack-quantized INT4"
+    assert quant_refused(tmp_path / "nofmt", {"quant_method": "compressed-tensors"}) == \
+        "compressed-tensors format None is not supported; duet reads pack-quantized INT4"
+    for i, weights in enumerate([{"num_bits": 8, "symmetric": True}, {"num_bits": 4, "symmetric": False}, {"num_bits": 4},
+                                 {"num_bits": 4, "symmetric": True, "type": "float"}, {}]):
+        groups = {"g": {"weights": weights}} if weights else {"g": {}}
+        assert quant_refused(tmp_path / f"g{i}", CT | {"config_groups": groups}) == \
+            "config group g is not symmetric 4-bit int weights; duet reads symmetric INT4"
+    folder, ckpt = int4_folder(tmp_path / "groups", {"x": np.zeros(1, np.float32)}, CT | {"config_groups": None}, nest=True)
+    assert type(read_quantization(folder, ckpt)) is CompressedTensors
+    ok = {"num_bits": 4, "symmetric": True}  # type defaults to int
+    folder, ckpt = int4_folder(tmp_path / "deftype", {"x": np.zeros(1, np.float32)}, CT | {"config_groups": {"g": {"weights": ok}}})
+    assert type(read_quantization(folder, ckpt)) is CompressedTensors
+    for i, quant in enumerate([GPTQ_CONFIG | {"bits": 8}, GPTQ_CONFIG | {"sym": False}, {"quant_method": "gptq"}]):
+        assert quant_refused(tmp_path / f"q{i}", quant) == "GPTQ weights must be symmetric 4-bit (bits 4, sym true) for duet"
+    assert quant_refused(tmp_path / "act", GPTQ_CONFIG | {"desc_act": True}) == \
+        "GPTQ with desc_act (act-order) is not supported; use a desc_act false checkpoint"
+    folder, ckpt = int4_folder(tmp_path / "nosym", {"x": np.zeros(1, np.float32)}, {"quant_method": "gptq", "bits": 4})
+    assert type(read_quantization(folder, ckpt)) is GPTQ and read_quantization(folder, ckpt).stored_zero == 7
+
+
+def int4_refused(modules, name="m.weight", shape=(QN, QK)) -> str:
+    with pytest.raises(CheckpointError) as caught:
+        modules.check(name, shape)
+    return str(caught.value)
+
+
+def test_compressed_tensors_that_do_not_fit(tmp_path):
+    levels, scale = levels_of(7, (QN, QK)), bf16_exact((QN, QK // 128), 8)
+    good = ct_tensors(levels, scale)
+
+    def modules(name, **changes):
+        tensors = {k: v for k, v in (good | changes).items() if v is not None}
+        folder, ckpt = int4_folder(tmp_path / name, tensors, CT)
+        return read_quantization(folder, ckpt), folder / "model.safetensors"
+
+    m, path = modules("shape")
+    assert int4_refused(m, shape=(QN, QK + 8)) == f"{path}: tensor m.weight_packed holds a [{QN}, {QK}] weight, the config implies [{QN}, {QK + 8}]"
+    assert int4_refused(m, shape=(QN + 1, QK)).endswith(f"holds a [{QN}, {QK}] weight, the config implies [{QN + 1}, {QK}]")
+    m, path = modules("f32", **{"m.weight_packed": good["m.weight_packed"].astype(np.float32)})
+    assert int4_refused(m) == f"{path}: tensor m.weight_packed is F32 [{QN}, {QK // 8}]; expected int32 [N, K/8]"
+    m, path = modules("3d", **{"m.weight_packed": good["m.weight_packed"][None]})
+    assert int4_refused(m) == f"{path}: tensor m.weight_packed is I32 [1, {QN}, {QK // 8}]; expected int32 [N, K/8]"
+    m, path = modules("u32", **{"m.weight_packed": good["m.weight_packed"].view(np.uint32)})
+    m.check("m.weight", (QN, QK))
+    assert np.array_equal(m.read("m.weight").levels(), levels)
+    m, path = modules("stated", **{"m.weight_shape": np.array([QN, QK - 8], np.int32)})
+    assert int4_refused(m) == f"{path}: tensor m.weight_shape says [{QN}, {QK - 8}] but weight_packed holds [{QN}, {QK}]"
+    for name, bad in (("s3", bf16_exact((QN, 3), 1)), ("s64", bf16_exact((QN, QK // 64), 1)), ("s1d", bf16_exact((QN,), 1)),
+                      ("srows", bf16_exact((QN + 1, 4), 1))):
+        m, path = modules(name, **{"m.weight_scale": bad})
+        assert int4_refused(m) == (f"{path}: tensor m.weight_scale has shape {list(bad.shape)}, which does not match its {QK}-input "
+                                   "weights in groups of a multiple of 128: the scales do not match the weights")
+    m, path = modules("noscale", **{"m.weight_scale": None})
+    assert int4_refused(m) == f"{tmp_path / 'noscale'}: tensor m.weight_scale is missing; the INT4 checkpoint is incomplete"
+    m, path = modules("noshape", **{"m.weight_shape": None})
+    with pytest.raises(KeyError):
+        m.check("m.weight", (QN, QK))
+
+
+def test_gptq_that_does_not_fit(tmp_path):
+    levels_kn, scales = levels_of(9, (QK, QN)), bf16_exact((QK // 128, QN), 10).astype(np.float16)
+    good = gptq_tensors(levels_kn, scales, 8)
+
+    def modules(name, **changes):
+        tensors = {k: v for k, v in (good | changes).items() if v is not None}
+        folder, ckpt = int4_folder(tmp_path / name, tensors, GPTQ_CONFIG | {"checkpoint_format": "gptq_v2"})
+        return read_quantization(folder, ckpt), folder / "model.safetensors"
+
+    m, path = modules("shape")
+    assert int4_refused(m, shape=(QN, QK * 2)) == f"{path}: tensor m.qweight holds a [{QN}, {QK}] weight, the config implies [{QN}, {QK * 2}]"
+    assert int4_refused(m, shape=(QN * 2, QK)).endswith(f"holds a [{QN}, {QK}] weight, the config implies [{QN * 2}, {QK}]")
+    m, path = modules("f16", **{"m.qweight": good["m.qweight"].astype(np.float16)})
+    assert int4_refused(m) == f"{path}: tensor m.qweight is F16 [{QK // 8}, {QN}]; expected int32 [K/8, N]"
+    m, path = modules("1d", **{"m.qweight": good["m.qweight"].reshape(-1)})
+    assert int4_refused(m) == f"{path}: tensor m.qweight is I32 [{QK // 8 * QN}]; expected int32 [K/8, N]"
+    m, path = modules("scales", **{"m.scales": scales.T.copy()})
+    assert int4_refused(m) == (f"{path}: tensor m.scales has shape [{QN}, {QK // 128}], which does not match its {QK}-input "
+                               "weights in groups of a multiple of 128: the scales do not match the weights")
+    asym = np.full((QK // 128, QN), 0)
+    asym[1, 5] = -3
+    m, path = modules("zeros", **{"m.qzeros": ct_pack(asym)})
+    assert int4_refused(m) == f"{path}: tensor m.qzeros is not the symmetric zero point 8 [4, {QN // 8}]; duet reads symmetric GPTQ only"
+    m, path = modules("zshape", **{"m.qzeros": ct_pack(np.zeros((QK // 128 + 1, QN), int))})
+    assert "tensor m.qzeros is not the symmetric zero point 8" in int4_refused(m)
+    order = good["m.g_idx"].copy()
+    order[[0, 200]] = order[[200, 0]]
+    m, path = modules("gidx", **{"m.g_idx": order})
+    assert int4_refused(m) == f"{path}: tensor m.g_idx reorders inputs (act-order); duet reads desc_act false GPTQ only"
+    m, path = modules("noq", **{"m.qzeros": None})
+    with pytest.raises(KeyError):
+        m.check("m.weight", (QN, QK))
+    m, path = modules("nos", **{"m.scales": None})
+    assert int4_refused(m) == f"{tmp_path / 'nos'}: tensor m.scales is missing; the INT4 checkpoint is incomplete"
+    v1_folder, ckpt = int4_folder(tmp_path / "v1", good, GPTQ_CONFIG)  # zeros of 8 in a v1 file (which stores 7)
+    assert "not the symmetric zero point 7" in int4_refused(read_quantization(v1_folder, ckpt))
+
+
+def test_read_weights_takes_the_int4_modules(tmp_path):
+    """A tiny transformers model with its MLP projections replaced by compressed-tensors INT4, read end to end."""
+    folder = tmp_path / "ct"
+    folder.mkdir()
+    tensors = {k: v.float().numpy() for k, v in saved(HF["h128"]).items()}
+    config = json.loads((HF["h128"] / "config.json").read_text()) | {"quantization_config": CT}
+    expected = {}
+    for name in [n for n in tensors if n.endswith(("mlp.up_proj.weight", "self_attn.o_proj.weight"))]:
+        n_rows, k = tensors[name].shape
+        levels, scale = levels_of(len(expected), (n_rows, k)), bf16_exact((n_rows, k // 128), 11)
+        del tensors[name]
+        tensors |= ct_tensors(levels, scale, name.removesuffix(".weight"))
+        expected[name.removeprefix("model.")] = np.repeat(scale, 128, axis=1) * levels
+    safetensors.numpy.save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    ckpt, model_config = open_hf(folder)
+    modules = read_quantization(folder, ckpt)
+    calls = []
+    weights = read_weights(ckpt, model_config, lambda d, t: calls.append((d, t)), quantized=modules)
+    for key, dense in expected.items():
+        assert np.array_equal(weights.tensors[key].dequantize(), dense)
+    assert calls[-1][0] == calls[-1][1] == sum(a.nbytes for a in tensors.values())
