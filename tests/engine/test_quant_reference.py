@@ -631,6 +631,10 @@ def test_trellis_take_rows_moves_bands():
     assert taken.shape == (32, 256) and taken.k == 4 and taken.seed == 80
     assert np.array_equal(taken.row_scale, weight.row_scale[rows])
     assert np.array_equal(taken.decode_rows(0, 32)[0].reshape(32, -1), levels[rows])
+    for start, stop in ((20, 40), (16, 32), (33, 34)):  # windows not starting in the first band
+        got, scale = weight.decode_rows(start, stop)
+        assert np.array_equal(got.reshape(stop - start, -1), levels[start:stop])
+        assert np.array_equal(scale, weight.row_scale[start:stop])
     for bad in (np.arange(8), np.arange(1, 17), np.r_[0:15, 16]):
         with pytest.raises(T.DuetError, match=r"^a trellis weight \[48, 256\] codes rows in 16-row tiles; this model "
                                               r"splits it at rows that cut a tile: convert it to int4 instead$"):
