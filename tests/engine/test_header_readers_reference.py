@@ -237,12 +237,26 @@ def test_exact_fits_at_the_end_of_the_file(tmp_path):
 
 
 def test_a_header_past_the_limit_is_refused_before_reading(tmp_path, monkeypatch):
-    monkeypatch.setattr(hd, "MAX_HEADER_BYTES", 4096)
+    limit = 3 << 20
+    monkeypatch.setattr(hd, "MAX_HEADER_BYTES", limit)
     head = len(b"GGUF") + 4 + 8 + 8 + 8 + 1 + 4 + 8  # magic, version, counts, key "x", type, string length
-    fits = raw_gguf(tmp_path / "fits.gguf", [kv("x", 8, s("a" * (4096 - head)))], [], 0, pad=False)
-    assert read_gguf_header(fits)[1] == {"x": "a" * (4096 - head)}
-    over = raw_gguf(tmp_path / "over.gguf", [kv("x", 8, s("a" * (4097 - head)))], [], 0, pad=False)
-    assert refused(over) == f"{over}: GGUF header runs past 0 MiB, more than any model's; the file is corrupt, re-download it"
+    fits = raw_gguf(tmp_path / "fits.gguf", [kv("x", 8, s("a" * (limit - head)))], [], 0, pad=False)
+    assert read_gguf_header(fits)[1] == {"x": "a" * (limit - head)}
+    over = raw_gguf(tmp_path / "over.gguf", [kv("x", 8, s("a" * (limit + 1 - head)))], [], 0, pad=False)
+    assert refused(over) == f"{over}: GGUF header runs past 3 MiB, more than any model's; the file is corrupt, re-download it"
+
+
+def test_a_file_that_shrinks_while_it_is_read(tmp_path):
+    """The size was taken before the file was cut (a download still being written): the short read is refused."""
+    path = raw_gguf(tmp_path / "m.gguf", [kv("x", 4, struct.pack("<I", 9))], [], 0, pad=False, n_keys=2)
+    with open(path, "rb") as handle:
+        with pytest.raises(CheckpointError) as caught:
+            hd.parse_gguf_header(hd._FileStream(handle, "src", path.stat().st_size + 100), "src", path.stat().st_size + 100)
+    assert str(caught.value) == f"src: {MSG_TRUNC}"
+    path = raw_gguf(tmp_path / "m.gguf", [kv("x", 4, struct.pack("<I", 9))], [], 0, pad=False)
+    with open(path, "rb") as handle:
+        stream = hd._FileStream(handle, "src", path.stat().st_size)
+        assert hd.parse_gguf_header(stream, "src", path.stat().st_size) == ({}, {"x": 9}) and stream.tell() == path.stat().st_size
 
 
 def test_an_unreadable_file_is_one_line(tmp_path):
@@ -414,7 +428,7 @@ class MockHub:
             return httpx.Response(206, headers=headers, content=body)
         if not self.sizes:
             return httpx.Response(200, content=iter([data]))  # streamed: no content-length
-        return httpx.Response(200, content=data)
+        return httpx.Response(200, headers={"content-length": str(len(data))}, content=data)
 
     def ranges_of(self, name: str) -> list[str | None]:
         return [r.headers.get("range") for r in self.requests if r.url.path.endswith("/" + name)]
@@ -514,11 +528,13 @@ def test_remote_safetensors_refusals(st_folder, serve, monkeypatch):
     assert error(**{"model.safetensors": data[:5]}) == "o/r/model.safetensors: file is truncated before its header"
     n = struct.unpack("<Q", data[:8])[0]
     assert error(**{"model.safetensors": data[:8 + n - 1]}).startswith("o/r/model.safetensors: ")
-    monkeypatch.setattr(hd, "MAX_JSON_BYTES", len(config))
-    serve(MockHub(files))
+    padded = config + b" " * ((1 << 20) - len(config))  # 1 MiB of valid JSON
+    monkeypatch.setattr(hd, "MAX_JSON_BYTES", 1 << 20)
+    serve(MockHub(files | {"config.json": padded}))
     assert read_headers("o/r").format == "safetensors"  # exactly the limit is read
-    monkeypatch.setattr(hd, "MAX_JSON_BYTES", len(config) - 1)
-    assert error() == f"o/r/config.json: larger than 0 MiB; not a config or index file"
+    assert error(**{"config.json": padded + b" "}) == "o/r/config.json: larger than 1 MiB; not a config or index file"
+    monkeypatch.setattr(hd, "MAX_JSON_BYTES", 20)  # a listing past the limit is cut, and fails to parse
+    assert error() == "o/r: http://hub.test answered the file listing with something that is not the hub's JSON"
 
 
 def test_a_header_cut_inside_is_refused(serve):
@@ -1134,3 +1150,29 @@ def test_read_weights_takes_the_int4_modules(tmp_path):
     for key, dense in expected.items():
         assert np.array_equal(weights.tensors[key].dequantize(), dense)
     assert calls[-1][0] == calls[-1][1] == sum(a.nbytes for a in tensors.values())
+
+
+def test_remote_gguf_files_that_end_early_or_exactly(tmp_path, serve, any_config):
+    whole = raw_gguf(tmp_path / "whole.gguf", [kv("x", 4, struct.pack("<I", 9))], [], 0, pad=False).read_bytes()
+    hub = serve(MockHub({"Model.gguf": whole}))
+    headers = read_headers("o/r")
+    assert (headers.tensors, any_config[-1][0], headers.format, headers.file_bytes) == ({}, {"x": 9}, "gguf", len(whole))
+    assert hub.ranges_of("Model.gguf") == [f"bytes=0-{hd.FIRST_BLOCK - 1}"]  # the header ends with the file: one request
+
+    def error(data: bytes, **kw) -> str:
+        serve(MockHub({"Model.gguf": data}, **kw))
+        with pytest.raises(DuetError) as caught:
+            read_headers("o/r")
+        return str(caught.value)
+
+    assert error(whole[:-1]) == f"o/r/Model.gguf: {MSG_TRUNC}"
+    assert error(b"", ranges=False) == f"o/r/Model.gguf: {MSG_TRUNC}"  # an empty file has a size: 0
+    assert error(b"GGUX" + whole[4:]) == "o/r/Model.gguf: not a GGUF file (the magic bytes are wrong)"
+
+
+def test_remote_split_with_a_missing_part(split_parts, serve, any_config):
+    files = {f"Q8/{p.name}": p.read_bytes() for p in split_parts if "00002" not in p.name}
+    serve(MockHub(files))
+    with pytest.raises(CheckpointError) as caught:
+        read_headers(f"o/r/Q8/{split_parts[0].name}")
+    assert str(caught.value) == f"o/r/Q8/{split_parts[0].name}: split GGUF file Model-00002-of-00003.gguf is missing; download every part"
