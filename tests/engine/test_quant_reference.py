@@ -397,7 +397,7 @@ def test_unpack_and_decode_read_the_circular_windows(k):
     packed = random_streams(2, k, 21 + k)
     states = T.unpack_states(packed, k)
     levels = T.decode_tiles(packed, k)
-    assert states.shape == (2, T.TILE) and levels.dtype == np.int8
+    assert states.shape == (2, T.TILE) and states.dtype == np.uint32 and levels.dtype == np.int8  # as documented
     c = T.MULTIPLIERS[k]
     for row in range(2):
         expected = windows_by_hand(packed[row], k)
@@ -510,15 +510,29 @@ def encode_by_hand(target: np.ndarray, k: int) -> np.ndarray:
     return path
 
 
-@pytest.mark.parametrize("k", [2, 4])
-def test_encoded_tile_is_the_tail_biting_algorithm(k):
+@pytest.mark.parametrize("k,tiles", [(2, 2), (4, 1)])
+def test_encoded_tile_is_the_tail_biting_algorithm(k, tiles):
     # Gaussian targets: no two paths tie in float32 cost, so the path itself is compared
-    target = (np.random.default_rng(60 + k).standard_normal((1, T.TILE)) * 36).astype(np.float32)
-    path = T.encode_states(target.astype(np.float64), k)[0]
-    assert is_shift_register(path, k, circular=True)
-    assert np.array_equal(path, encode_by_hand(target[0], k))
-    packed = T.encode_tiles(target, k)
-    assert packed.shape == (1, T.TILE * k // 8) and windows_by_hand(packed[0], k) == path.tolist()
+    target = (np.random.default_rng(60 + k).standard_normal((tiles, T.TILE)) * 36).astype(np.float32)
+    paths = T.encode_states(target.astype(np.float64), k)
+    for row in range(tiles):  # each tile on its own: rolls along the tile, never across tiles
+        assert is_shift_register(paths[row], k, circular=True)
+        assert np.array_equal(paths[row], encode_by_hand(target[row], k))
+
+
+def test_encode_tiles_codes_chunks_and_packs_own_bits(monkeypatch):
+    """encode_tiles = encode_states over ENCODE_CHUNK tiles at a time, concatenated, each weight's own k bits packed."""
+    def fake_states(target, k):  # a path per tile made from its first value, to see which tiles went where
+        return np.rint(target[:, :1]).astype(np.int64) * 0x0101 + np.arange(T.TILE)[None, :]
+
+    monkeypatch.setattr(T, "encode_states", fake_states)
+    monkeypatch.setattr(T, "ENCODE_CHUNK", 2)
+    target = np.arange(5, dtype=np.float32)[:, None] * np.ones((5, T.TILE), np.float32) + 1
+    packed = T.encode_tiles(target, 3)
+    assert packed.shape == (5, T.TILE * 3 // 8)
+    for row in range(5):
+        bits = [((int(row + 1) * 0x0101 + t) >> (2 - j)) & 1 for t in range(T.TILE) for j in range(3)]
+        assert stream_bits(packed[row]) == bits
 
 
 def sylvester(n: int) -> np.ndarray:
@@ -732,10 +746,10 @@ def test_rank_multipliers_tries_each_gaussian_candidate_and_restores(monkeypatch
 
 
 def test_best_scale_mse_is_the_lowest_mse_over_the_steps(monkeypatch):
-    x = np.zeros((1, 128), np.float32)
-    monkeypatch.setattr(T, "quantize_sequences", lambda x, k, step: (None, x + np.float32(step) - np.float32(0.05)))
-    # rel: 0.04 and 0.05 rounded to fp32 (2^-24 each), magnified by 0.09 / 0.01 in the difference, squared
-    assert T.best_scale_mse(x, 2, (0.01, 0.04, 0.2)) == pytest.approx(((0.04 - 0.05) ** 2, 0.04), rel=2e-6)
+    x = np.full((1, 128), 0.5, np.float32)
+    monkeypatch.setattr(T, "quantize_sequences", lambda x, k, step: (None, x.astype(np.float64) + (float(step) - 0.05)))
+    # rel: step is a float32 (0.04 to 2^-24), magnified by 0.04 / 0.01 in the difference, squared; float64 after
+    assert T.best_scale_mse(x, 2, (0.01, 0.04, 0.2)) == pytest.approx(((0.04 - 0.05) ** 2, 0.04), rel=1e-6)
     mse, step = T.best_scale_mse(x, 4)  # default: SCALES[4]
     assert step == float(T.SCALES[4][-1]) and isinstance(mse, float)  # all below 0.05: the largest is nearest
 
