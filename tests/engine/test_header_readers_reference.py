@@ -12,8 +12,12 @@ Fast on purpose (about a second): mutmut re-runs these tests for every mutant of
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 import gguf
@@ -84,33 +88,57 @@ def reader_tensors(reader: gguf.GGUFReader) -> dict[str, TensorInfo]:
                                int(t.data_offset), int(t.data_offset) + int(t.n_bytes)) for t in reader.tensors}
 
 
-@pytest.fixture(scope="module")
-def made(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("gguf")
+# Written and read by the gguf package once, when the module is imported (mutmut imports it once a run): the
+# tests below then run only the code under test.
+_ROOT = Path(tempfile.mkdtemp(prefix="duet-reader-reference-"))
+atexit.register(lambda pid=os.getpid(): os.getpid() == pid and shutil.rmtree(_ROOT, ignore_errors=True))  # not in forks
 
 
-@pytest.mark.parametrize("alignment", [None, 64, 1, 256])
-def test_keys_and_tensors_read_as_ggufreader_reads_them(made, alignment):
-    path = write_with_gguf(made / f"keys{alignment}.gguf", alignment)
-    tensors, metadata = read_gguf_header(path)
+def _reference(path: Path) -> tuple[dict, dict[str, TensorInfo]]:
     reader = gguf.GGUFReader(path)
-    assert metadata == reader_keys(reader)
+    return reader_keys(reader), reader_tensors(reader)
+
+
+def _with_version(src: Path, version: int) -> Path:
+    path = src.with_name(f"v{version}.gguf")
+    data = src.read_bytes()
+    path.write_bytes(data[:4] + struct.pack("<I", version) + data[8:])
+    return path
+
+
+def _reader_accepts(path: Path) -> bool:
+    try:
+        gguf.GGUFReader(path)
+        return True
+    except ValueError:
+        return False
+
+
+KEYS_FILES = {a: write_with_gguf(_ROOT / f"keys{a}.gguf", a) for a in (None, 1, 256)}
+KEYS_REF = {a: _reference(p) for a, p in KEYS_FILES.items()}
+VERSIONS = {v: _with_version(KEYS_FILES[None], v) for v in (1, 2, 4)}
+VERSIONS_READ = {v: _reader_accepts(p) for v, p in VERSIONS.items()}
+
+
+@pytest.fixture(scope="module")
+def made() -> Path:
+    return _ROOT
+
+
+@pytest.mark.parametrize("alignment", [None, 1, 256])
+def test_keys_and_tensors_read_as_ggufreader_reads_them(alignment):
+    tensors, metadata = read_gguf_header(KEYS_FILES[alignment])
+    keys, reference = KEYS_REF[alignment]
+    assert metadata == keys
     assert [type(metadata[k]) for k, *_ in SCALAR_KEYS] == [type(v) for _, v, _ in SCALAR_KEYS]
-    assert tensors == reader_tensors(reader) and list(tensors) == [t.name for t in reader.tensors]
+    assert tensors == reference and list(tensors) == list(reference)
 
 
-def test_version_2_is_read_and_versions_1_and_4_are_refused_as_ggufreader_refuses_them(made):
-    data = write_with_gguf(made / "v.gguf").read_bytes()
-    v2 = made / "v2.gguf"
-    v2.write_bytes(data[:4] + struct.pack("<I", 2) + data[8:])
-    assert read_gguf_header(v2) == read_gguf_header(made / "v.gguf")
-    gguf.GGUFReader(v2)
+def test_version_2_is_read_and_versions_1_and_4_are_refused_as_ggufreader_refuses_them():
+    assert VERSIONS_READ == {1: False, 2: True, 4: False}
+    assert read_gguf_header(VERSIONS[2]) == read_gguf_header(KEYS_FILES[None])
     for version in (1, 4):
-        bad = made / f"v{version}.gguf"
-        bad.write_bytes(data[:4] + struct.pack("<I", version) + data[8:])
-        with pytest.raises(ValueError):
-            gguf.GGUFReader(bad)
-        assert refused(bad) == f"{bad}: GGUF version {version} is not supported (2 and 3 are)"
+        assert refused(VERSIONS[version]) == f"{VERSIONS[version]}: GGUF version {version} is not supported (2 and 3 are)"
 
 
 # --- GGUF bytes laid out as the format defines them ------------------------------------------------------
@@ -267,9 +295,13 @@ def test_an_unreadable_file_is_one_line(tmp_path):
 
 # --- local folders and files ------------------------------------------------------------------------------
 
+MODEL_GGUF = ho.write_27b_gguf(_ROOT / "model.gguf")
+MODEL_REF = _reference(MODEL_GGUF)[1]
+
+
 @pytest.fixture(scope="module")
-def model_gguf(made) -> Path:
-    return ho.write_27b_gguf(made / "model.gguf")
+def model_gguf() -> Path:
+    return MODEL_GGUF
 
 
 def test_read_headers_of_a_gguf_file(model_gguf, monkeypatch):
@@ -277,12 +309,11 @@ def test_read_headers_of_a_gguf_file(model_gguf, monkeypatch):
     headers = read_headers("~/model.gguf")
     assert (headers.source, headers.format, headers.files) == ("~/model.gguf", "gguf", (str(model_gguf),))
     assert headers.file_bytes == model_gguf.stat().st_size and headers.config.num_hidden_layers == ho.LAYERS
-    assert headers.tensors == reader_tensors(gguf.GGUFReader(model_gguf))
+    assert headers.tensors == MODEL_REF
 
 
-@pytest.fixture(scope="module")
-def split_parts(made) -> list[Path]:
-    folder = made / "split"
+def _write_split() -> list[Path]:
+    folder = _ROOT / "split"
     folder.mkdir()
     writer = gguf.GGUFWriter(folder / "Model.gguf", "qwen35", split_max_tensors=3)
     for name, value, vtype in SCALAR_KEYS:
@@ -296,6 +327,15 @@ def split_parts(made) -> list[Path]:
     return sorted(folder.glob("*.gguf"))
 
 
+SPLIT = _write_split()
+SPLIT_REF = [_reference(p) for p in SPLIT]  # per part: keys, tensors
+
+
+@pytest.fixture(scope="module")
+def split_parts() -> list[Path]:
+    return SPLIT
+
+
 @pytest.fixture
 def any_config(monkeypatch) -> list:
     """gguf_config (gguf_names.py, tested elsewhere) replaced: what it was given is kept, the file's name returned."""
@@ -307,11 +347,9 @@ def any_config(monkeypatch) -> list:
 def test_split_gguf_as_the_gguf_package_writes_and_reads_it(split_parts, any_config, tmp_path):
     parts, folder = split_parts, split_parts[0].parent
     assert [p.name for p in parts] == [f"Model-{i:05d}-of-00003.gguf" for i in (1, 2, 3)]
-    expected, sizes = {}, 0
-    for part in parts:
-        expected |= reader_tensors(gguf.GGUFReader(part))
-        sizes += part.stat().st_size
-    first_keys = reader_keys(gguf.GGUFReader(parts[0]))
+    expected = {n: t for _, tensors in SPLIT_REF for n, t in tensors.items()}
+    sizes = sum(part.stat().st_size for part in parts)
+    first_keys = SPLIT_REF[0][0]
     for source in (parts[0], folder):
         headers = read_headers(str(source))
         assert headers.tensors == expected and headers.files == tuple(map(str, parts)) and headers.file_bytes == sizes
@@ -361,7 +399,7 @@ def test_a_file_that_is_not_gguf_and_a_name_that_is_nothing(tmp_path):
 @pytest.fixture(scope="module")
 def st_folder(made) -> Path:
     folder = made / "st"
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)  # _ROOT outlives a test run under mutmut: each forked run writes it again
     rng = np.random.default_rng(3)
     safetensors.numpy.save_file({"w.a": rng.standard_normal((3, 4)).astype(np.float32), "w.b": np.arange(6, dtype=np.int8),
                                  "w.c": np.zeros((2, 2, 2), np.float16)}, folder / "model.safetensors")
@@ -618,11 +656,15 @@ def test_a_server_that_ignores_ranges(st_folder, serve):
 
 # --- GGUF on the hub ------------------------------------------------------------------------------------
 
+# A GGUF whose header is about 40 KB: with a 1 KiB first block and an 8 KiB cap, the blocks double and cap.
+BIG = write_with_gguf(_ROOT / "big.gguf", keys=SCALAR_KEYS + [("long", "L" * 20_000, T.STRING),
+                                                              ("a.strs", [f"t{i}" for i in range(2000)], T.STRING)])
+BIG_REF = _reference(BIG)[1]
+
+
 @pytest.fixture(scope="module")
-def big_header(made) -> Path:
-    """A GGUF whose header is about 40 KB: with a 1 KiB first block and an 8 KiB cap, the blocks double and cap."""
-    keys = SCALAR_KEYS + [("long", "L" * 20_000, T.STRING), ("a.strs", [f"t{i}" for i in range(2000)], T.STRING)]
-    return write_with_gguf(made / "big.gguf", keys=keys)
+def big_header() -> Path:
+    return BIG
 
 
 def test_remote_gguf_reads_in_doubling_blocks(big_header, serve, monkeypatch, any_config):
@@ -631,7 +673,7 @@ def test_remote_gguf_reads_in_doubling_blocks(big_header, serve, monkeypatch, an
     data = big_header.read_bytes()
     hub = serve(MockHub({"q/Model.gguf": data, "README.md": b"x"}))
     headers = read_headers("o/r/q/Model.gguf")
-    assert headers.tensors == reader_tensors(gguf.GGUFReader(big_header))
+    assert headers.tensors == BIG_REF
     assert (headers.files, headers.file_bytes, headers.source) == (("o/r/q/Model.gguf",), len(data), "o/r/q/Model.gguf")
     spans = [tuple(map(int, r.removeprefix("bytes=").split("-"))) for r in hub.ranges_of("Model.gguf")]
     assert spans[0] == (0, 1023) and all(b[0] == a[1] + 1 for a, b in zip(spans, spans[1:]))
@@ -683,12 +725,10 @@ def test_remote_split_gguf_and_patterns(split_parts, big_header, serve, any_conf
     files = {f"Q8/{p.name}": p.read_bytes() for p in parts} | {"Q4/Other.gguf": big_header.read_bytes()}
     serve(MockHub(files))
     headers = read_headers("o/r", patterns=("Q8/*",))
-    expected = {}
-    for part in parts:
-        expected |= reader_tensors(gguf.GGUFReader(part))
+    expected = {n: t for _, tensors in SPLIT_REF for n, t in tensors.items()}
     assert headers.tensors == expected and headers.config == f"o/r/Q8/{parts[0].name}"
     assert headers.files == tuple(f"o/r/Q8/{p.name}" for p in parts) and headers.file_bytes == sum(p.stat().st_size for p in parts)
-    assert any_config[0][0] == reader_keys(gguf.GGUFReader(parts[0]))
+    assert any_config[0][0] == SPLIT_REF[0][0]
     serve(MockHub(files))
     assert read_headers("o/r", patterns=("Q4/*", "nothing")).files == ("o/r/Q4/Other.gguf",)
     serve(MockHub(files))
@@ -701,10 +741,6 @@ def test_remote_split_gguf_and_patterns(split_parts, big_header, serve, any_conf
 # Built once when the module is imported (mutmut's forkserver imports it once per run): each folder is what
 # transformers' save_pretrained writes for a tiny random model; the reference values are read back with safe_open.
 
-import atexit  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-
 import torch  # noqa: E402
 from conftest import add_random_mtp_head, build_reference, split_fused_experts  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -714,8 +750,6 @@ from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint  # noqa: E4
 from duet.engine.config import ModelConfig  # noqa: E402
 
 
-_ROOT = Path(tempfile.mkdtemp(prefix="duet-hf-reference-"))
-atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
 
 def _save(name: str, kind: str, split: bool = False, mtp: bool = False, fused: bool = False, **overrides) -> Path:
@@ -852,7 +886,7 @@ def test_what_the_headers_refuse(tmp_path):
             if False else _retyped(tmp_path / f"x{shown}", dtype)
         assert hf_refused(folder) == (f"{folder / 'model.safetensors'}: tensor model.norm.weight is {shown}; "
                                       "this reader takes bf16/fp16/fp32 weights")
-    for dtype in (torch.float16, torch.float32):
+    for dtype in (torch.float16, torch.float32, torch.bfloat16):
         folder = _retyped(tmp_path / f"ok{dtype}".replace(".", "_"), dtype)
         ckpt, config = open_hf(folder)
         assert np.array_equal(read_weights(ckpt, config).tensors["norm.weight"], saved(HF["text"])["model.norm.weight"].to(dtype).float().numpy())
@@ -1029,6 +1063,8 @@ def test_quantization_configs(tmp_path):
         "quantization 'awq' (gptq) is not supported; duet reads compressed-tensors pack-quantized, GPTQ and AutoRound auto_gptq INT4"
     assert quant_refused(tmp_path / "ar", {"quant_method": "auto-round", "packing_format": "auto_round:auto_awq"}) == \
         "quantization 'auto-round' (auto_round:auto_awq) is not supported; duet reads compressed-tensors pack-quantized, GPTQ and AutoRound auto_gptq INT4"
+    assert quant_refused(tmp_path / "nomethod", {"bits": 4}) == \
+        "quantization '' (gptq) is not supported; duet reads compressed-tensors pack-quantized, GPTQ and AutoRound auto_gptq INT4"
     assert quant_refused(tmp_path / "fmt", CT | {"format": "float-quantized"}) == \
         "compressed-tensors format 'float-quantized' is not supported; duet reads pack-quantized INT4"
     assert quant_refused(tmp_path / "nofmt", {"quant_method": "compressed-tensors"}) == \
