@@ -15,16 +15,22 @@ ACT_BLOCK = 32
 INT8_MAX = 127
 
 
+# What PTX's cvt.rn.bf16.f32 writes for any NaN: the rounding carry below would run a NaN with a
+# full mantissa (0x7FFFFFFF) into the sign bit and make it -0.0.
+BF16_NAN = 0x7FFF
+
+
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """fp32 -> bf16 bits (uint16), round to nearest even: add 0x7FFF plus the kept lsb, drop 16 bits."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(BF16_NAN), rounded)
 
 
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
     """x rounded to the nearest bf16 value, as fp32."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).view(np.float32)
+    return (f32_to_bf16_bits(x).astype(np.uint32) << 16).view(np.float32)
 
 
 def quantize_int8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

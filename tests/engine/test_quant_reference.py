@@ -100,6 +100,16 @@ def test_round_to_bf16_is_torchs_conversion(inputs):
     assert np.array_equal(ours.view(np.uint32), torch_bf16_values(x).view(np.uint32))
 
 
+def test_every_nan_is_the_canonical_bf16_nan():
+    # PTX ISA, cvt: a NaN converted to .bf16 is the canonical NaN 0x7FFF, whatever its sign and payload.
+    # A NaN with a full mantissa used to carry into the sign bit and come out as -0.0.
+    bits = np.array([0x7FC00000, 0xFFC00000, 0x7FFFFFFF, 0x7FFF8000, 0xFFFFFFFF, 0x7F800001], np.uint32)
+    nan = bits.view(np.float32)
+    assert np.all(np.isnan(torch_bf16_values(nan)))
+    assert np.array_equal(A.f32_to_bf16_bits(nan), np.full(len(bits), 0x7FFF, np.uint16))
+    assert np.array_equal(A.round_to_bf16(nan).view(np.uint32), np.full(len(bits), 0x7FFF0000, np.uint32))
+
+
 def test_canonical_nan_stays_nan():
     # torch writes its own NaN pattern (0xFFFF here), so only NaN-ness is compared
     nan = np.array([np.nan, -np.nan], np.float32)
