@@ -102,15 +102,14 @@ def decode_iq4_xs(blocks: np.ndarray) -> Decoded:
 
 @dataclass(frozen=True)
 class Codec:
-    block: int  # weights per block
     type_size: int  # bytes per block
     sub: int  # weights per scale
     decode: Callable[[np.ndarray], Decoded]
 
 
 def _codec(qtype: GGMLQuantizationType, sub: int, decode) -> Codec:
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    return Codec(block, type_size, sub, decode)
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    return Codec(type_size, sub, decode)
 
 
 CODECS = {
