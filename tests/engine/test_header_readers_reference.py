@@ -560,10 +560,14 @@ def test_remote_safetensors_refusals(st_folder, serve, monkeypatch):
     assert error(**{"config.json": b"{"}) == "o/r/config.json: config.json is not valid JSON"
     assert error(**{"config.json": b"[" * 100_000 + b"]" * 100_000}) == "o/r/config.json: config.json is not valid JSON"
     assert error(**{"config.json": b"[1]"}) == "o/r/config.json: config.json must hold a JSON object"
+    assert error(**{"config.json": b"{}"}).startswith("o/r/config.json: unknown model_type None; ")  # config.py's message, this file named
+    assert error(**{hd.INDEX: b"{}"}) == "o/r/model.safetensors.index.json: index is not valid JSON with a weight_map; re-download the model"
     index = json.dumps({"weight_map": {"w": "model-2.safetensors"}}).encode()
     assert error(**{hd.INDEX: index}) == "o/r/model.safetensors.index.json: names shard 'model-2.safetensors', which the repo does not have"
     data = files["model.safetensors"]
     assert error(**{"model.safetensors": data[:5]}) == "o/r/model.safetensors: file is truncated before its header"
+    corrupt = data[:8] + b"{not json" + data[17:]
+    assert error(**{"model.safetensors": corrupt}) == "o/r/model.safetensors: header is not valid JSON; the file is corrupt, re-download it"
     n = struct.unpack("<Q", data[:8])[0]
     assert error(**{"model.safetensors": data[:8 + n - 1]}).startswith("o/r/model.safetensors: ")
     padded = config + b" " * ((1 << 20) - len(config))  # 1 MiB of valid JSON
