@@ -295,8 +295,11 @@ def test_an_unreadable_file_is_one_line(tmp_path):
 
 # --- local folders and files ------------------------------------------------------------------------------
 
-MODEL_GGUF = ho.write_27b_gguf(_ROOT / "model.gguf")
-MODEL_REF = _reference(MODEL_GGUF)[1]
+# llama.cpp's converter output (tests/engine/data): small, so a mutant that misreads a count reaches the end of the
+# file at once (a sparse multi-GB file would keep it reading zeros for minutes).
+MODEL_GGUF = _ROOT / "model.gguf"
+shutil.copy(Path(__file__).parent / "data" / "llamacpp_qwen35_mtp_f16.gguf", MODEL_GGUF)
+MODEL_KEYS, MODEL_REF = _reference(MODEL_GGUF)
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +311,8 @@ def test_read_headers_of_a_gguf_file(model_gguf, monkeypatch):
     monkeypatch.setenv("HOME", str(model_gguf.parent))
     headers = read_headers("~/model.gguf")
     assert (headers.source, headers.format, headers.files) == ("~/model.gguf", "gguf", (str(model_gguf),))
-    assert headers.file_bytes == model_gguf.stat().st_size and headers.config.num_hidden_layers == ho.LAYERS
+    layers = MODEL_KEYS["qwen35.block_count"] - MODEL_KEYS["qwen35.nextn_predict_layers"]  # the MTP block is the last
+    assert headers.file_bytes == model_gguf.stat().st_size and headers.config.num_hidden_layers == layers
     assert headers.tensors == MODEL_REF
 
 
