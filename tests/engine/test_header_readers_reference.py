@@ -375,7 +375,8 @@ def test_which_gguf_in_a_folder_is_the_model(tmp_path, model_gguf):
     (tmp_path / "mmproj-F16.gguf").write_bytes(b"GGUF")
     (tmp_path / "Other-00002-of-00002.gguf").write_bytes(b"GGUF")
     (tmp_path / "Model.gguf").symlink_to(model_gguf)
-    assert read_headers(str(tmp_path)).files == (str(tmp_path / "Model.gguf"),)
+    found = read_headers(str(tmp_path))
+    assert (found.files, found.source, found.format) == ((str(tmp_path / "Model.gguf"),), str(tmp_path), "gguf")
     for name in ("a.gguf", "b-00001-of-00002.gguf", "c.gguf", "d.gguf", "e.gguf"):
         (tmp_path / name).write_bytes(b"GGUF")
     with pytest.raises(CheckpointError) as caught:
