@@ -157,6 +157,14 @@ def add_random_mtp_head(model_dir: Path, ref, seed: int) -> dict:
     return parts
 
 
+def interruptible() -> None:
+    """Popen preexec_fn: Ctrl-C on, in the child. A runner started in the background (`cmd &` in a
+    script) ignores SIGINT, its children inherit that, and Python then never installs its handler."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def save_reference(model, model_dir: Path, with_tokenizer: bool = True) -> Path:
     model.save_pretrained(model_dir)
     if with_tokenizer:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from conftest import interruptible
 from fake_hub import FakeHub
 
 from duet.app.catalog import (
@@ -162,12 +164,12 @@ def test_ctrl_c_during_pull_keeps_nothing(hub, home, tiny_model):
     hub.slow["model.safetensors"] = 0.5
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     pull = subprocess.Popen([sys.executable, "-m", "duet.app.cli", "models", "pull", REPO], env=env,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     deadline = time.monotonic() + 30
     while not any(method == "GET" and path.endswith("model.safetensors") for method, path in hub.requests):
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    pull.send_signal(2)
+    pull.send_signal(signal.SIGINT)
     _, err = pull.communicate(timeout=30)
     assert pull.returncode == 130 and "nothing was kept" in err
     assert not (home.models_dir / "duet-tests--tiny").exists()

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from conftest import interruptible
 from duet.app.cli import main
 from duet.engine import load_model
 
@@ -178,7 +179,8 @@ def test_ctrl_c_prints_what_was_generated_and_exits_130(tiny_model_dir):
     tok_config.write_text(json.dumps({k: v for k, v in json.loads(tok_config.read_text()).items() if k != "eos_token"}))
     proc = subprocess.Popen([*duet_command(), "--headless", "the fox", "--raw", "--model", str(tiny_model_dir),
                              "--max-tokens", "100000", "--context", "4096"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=interruptible)
     first = proc.stdout.read(1)  # wait until text streams
     assert first
     time.sleep(0.2)
