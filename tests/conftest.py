@@ -6,7 +6,9 @@ Every checkpoint here is produced by the reference implementation (transformers,
 
 from __future__ import annotations
 
+import functools
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +109,16 @@ def split_fused_experts(model_dir: Path) -> None:
 
 def write_tokenizer(model_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
     """A byte-level BPE tokenizer trained on a little generated English, with a ChatML template."""
+    (model_dir / "tokenizer.json").write_text(_trained_tokenizer(vocab_size))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }))
+
+
+@functools.cache
+def _trained_tokenizer(vocab_size: int) -> str:
+    """tokenizer.json text, trained once per run (training is deterministic; every model gets the same)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     words = "the quick brown fox jumps over lazy dog and then runs far away from home in light".split()
@@ -118,11 +130,7 @@ def write_tokenizer(model_dir: Path, vocab_size: int = TINY_VOCAB) -> None:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(lines, trainer)
-    tok.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }))
+    return tok.to_str(pretty=True)  # the bytes Tokenizer.save writes
 
 
 def add_random_mtp_head(model_dir: Path, ref, seed: int) -> dict:
@@ -173,9 +181,10 @@ def save_reference(model, model_dir: Path, with_tokenizer: bool = True) -> Path:
 
 
 @pytest.fixture
-def tiny_model_dir(tmp_path) -> Path:
-    """A complete tiny qwen3_5_text folder (weights, config, tokenizer): what the CLI loads."""
-    return save_reference(build_reference("qwen3_5_text"), tmp_path / "tiny")
+def tiny_model_dir(tmp_path, tiny_model) -> Path:
+    """A complete tiny qwen3_5_text folder (weights, config, tokenizer): what the CLI loads. A fresh
+    copy of `tiny_model` (the same seed), free to damage, without building the model again."""
+    return Path(shutil.copytree(tiny_model, tmp_path / "tiny"))
 
 
 @pytest.fixture(scope="session")
