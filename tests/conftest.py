@@ -193,6 +193,17 @@ def tiny_model(tmp_path_factory) -> Path:
     return save_reference(build_reference("qwen3_5_text"), tmp_path_factory.mktemp("model") / "tiny")
 
 
+@pytest.fixture(scope="session")
+def endless_model(tiny_model, tmp_path_factory):
+    """The tiny model without a stop token: its replies run to max_tokens unless stopped."""
+    folder = tmp_path_factory.mktemp("endless") / "endless"
+    shutil.copytree(tiny_model, folder)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    del tokenizer_config["eos_token"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return folder
+
+
 @pytest.fixture
 def anyio_backend():
     return "asyncio"

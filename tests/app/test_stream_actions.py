@@ -17,8 +17,6 @@ is still being written when the action lands; Esc ends it.
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 import threading
 import time
 
@@ -42,17 +40,6 @@ LONG = 2000  # tokens: far more than any test lets a reply write before it stops
 PASS_SECONDS = 0.02  # a pass of a large model on a consumer GPU, about 50 tok/s
 REFUSED = "A reply is being written"
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(scope="module")
-def endless_model(tiny_model, tmp_path_factory):
-    """The tiny model without a stop token: its replies run to max_tokens unless stopped."""
-    folder = tmp_path_factory.mktemp("endless") / "endless"
-    shutil.copytree(tiny_model, folder)
-    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
-    del tokenizer_config["eos_token"]
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    return folder
 
 
 @pytest.fixture

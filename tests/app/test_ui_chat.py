@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from pilot_wait import record_notices, wait_for
@@ -21,17 +20,6 @@ from duet.app.ui.widgets.readouts import ContextMeter
 
 SIZE = (140, 40)
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture(scope="module")
-def endless_model(tiny_model, tmp_path_factory):
-    """The tiny model without a stop token: its replies run to max_tokens unless stopped."""
-    folder = tmp_path_factory.mktemp("endless") / "endless"
-    shutil.copytree(tiny_model, folder)
-    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
-    del tokenizer_config["eos_token"]
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    return folder
 
 
 @pytest.fixture

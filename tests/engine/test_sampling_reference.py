@@ -26,16 +26,11 @@ from transformers.generation.logits_process import (
 
 from duet.engine.errors import DuetError
 from duet.engine.sampling import Sampler, SamplingParams, probabilities, process_logits, process_rows
+from test_sampling import one_torch_thread  # noqa: F401 (an autouse fixture: one torch thread)
 
 VOCAB = 41
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def reference(logits: np.ndarray, input_ids: list[int], *, penalty=1.0, temperature=0.0, top_p=1.0, min_p=0.0):
