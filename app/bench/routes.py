@@ -51,8 +51,8 @@ def gemv_rate(model: Model, repeats: int) -> dict:
     linear(x)
     best = min(timed(lambda: linear(x)) for _ in range(repeats))
     N, K = linear.shape
-    return {"gemv_shape": [N, K], "gemv_weight_bytes": int(linear.weight.nbytes),
-            "gemv_gb_s": linear.weight.nbytes / best / 1e9, "gemv_gweights_s": N * K / best / 1e9}
+    return {"gemv_shape": [N, K], "gemv_weight_bytes": int(linear.nbytes),
+            "gemv_gb_s": linear.nbytes / best / 1e9, "gemv_gweights_s": N * K / best / 1e9}
 
 
 def decode_rate(model: Model, prompt: list[int], steps: int) -> float:

@@ -32,6 +32,11 @@ class Linear:
     """What every route's Linear offers: __call__, x [T, K] -> x @ W^T [T, N], and the same product
     feature-major."""
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight this Linear holds in memory."""
+        return self.weight.nbytes
+
     def by_feature(self, x: np.ndarray) -> np.ndarray:
         """(x @ W^T)^T as a C-contiguous [N, T] array, for callers that keep prefill activations
         feature-major. Here a transposing copy; DenseLinear forms it without one."""

@@ -15,7 +15,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from duet.engine.backend import MAX_ROWS, cpu
+from duet.engine.backend import MAX_ROWS, compiled, cpu
 from duet.engine.backend.threads import in_parallel, one_blas_thread
 from duet.engine.cache import DeltaNetState, KVCache, Q4KVCache, SequenceState
 from duet.engine.heads import ShortlistHead
@@ -257,7 +257,7 @@ class CpuOps:
     # ---- assembly: stored tensors -> what the layers hold
 
     def linear(self, weight, route: str):
-        return cpu.make_linear(weight, route)
+        return compiled.make_linear(weight, route)
 
     def concat_outputs(self, linears: list):
         return cpu.ConcatOutputs(linears)

@@ -19,7 +19,7 @@ from conftest import build_reference, moe_fields, randomize, save_reference, tin
 from duet.engine import load_model
 from duet.engine.assemble import stacked_linear
 from duet.engine.backend import MAX_ROWS
-from duet.engine.backend.cpu import DenseLinear, TrellisLinear
+from duet.engine.backend.cpu import TrellisLinear
 from duet.engine.checkpoint.safetensors import SafetensorsFile
 from duet.engine.quant import trellis
 from test_routes import decode, mean_kl
@@ -112,7 +112,7 @@ def test_stacked_trellis_weights_run_as_one_linear():
     gate, up = (trellis.quantize_matrix(rng.standard_normal((n, 128)).astype(np.float32), 2, seed=3, step=trellis.STEPS[2])
                 for n in (32, 16))
     linear = stacked_linear([gate, up], "w4a8")
-    assert isinstance(linear, TrellisLinear) and linear.shape == (48, 128)
+    assert type(linear).__name__ == "TrellisLinear" and linear.shape == (48, 128)  # numpy's or the compiled twin
     np.testing.assert_array_equal(linear.weight.dequantize(), np.concatenate([gate.dequantize(), up.dequantize()]))
 
 
@@ -150,7 +150,7 @@ def test_qwen3_next_fused_projections_convert_and_run(next_trellis):
     # The split regroups qkvz's rows per key head into q | k | v | z, which must hold the source's
     # rows; the 16-bit b | a rows run beside them.
     coded_rows, float_rows = lm.model.layers[0].mixer.in_proj.parts
-    assert isinstance(coded_rows, TrellisLinear) and isinstance(float_rows, DenseLinear)
+    assert [type(coded_rows).__name__, type(float_rows).__name__] == ["TrellisLinear", "DenseLinear"]
     w = coded_rows.weight.dequantize()
     expected = reference.model.layers[0].mixer.in_proj.weight[: w.shape[0]]
     assert np.mean((w - expected) ** 2) < 0.15 * np.mean(expected ** 2)  # 2-bit coding error, ~7%

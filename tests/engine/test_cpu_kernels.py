@@ -1,0 +1,165 @@
+"""The compiled CPU kernels (engine/backend/compiled.py) against references they do not share code with.
+
+Expected values: a float64 product of the weights as gguf.quants.dequantize (GGUF blocks), the W4
+layout's definition (nibble - 8 times the bf16 scale) give them,
+against the route's activations (int8 levels times their scale, or bf16-rounded values). The
+kernels sum in their own order, so each result must lie within the fp32 summation bound of its
+terms: |y - y64| <= n * 2^-24 * sum |terms| (n terms, each rounding at most once more per add;
+Higham's bound, taken with a factor 2 for the rescale product). The numpy Linears meet the same
+bound. Where only one term is summed (one unit) the result must equal numpy's bit for bit.
+
+Row order: a token row gives the same bits alone and among up to 16 rows, and in any tile of a
+prefill; a weight row the same bits however the rows are split between threads.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from duet.engine.backend import compiled, cpu
+from duet.engine.quant.activation import quantize_int8_blocks, round_to_bf16
+from duet.engine.quant.gguf_blocks import BlockMatrix
+from duet.engine.quant.w4 import W4Weight, unpack_levels
+
+pytestmark = pytest.mark.skipif(compiled.unavailable() is not None, reason=str(compiled.unavailable()))
+
+GGUF_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
+F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}
+U = 2.0**-24  # unit roundoff of fp32
+
+
+def random_blocks(qtype: Q, N: int, K: int, seed: int) -> BlockMatrix:
+    """Random bytes for the quantized fields, small finite f16 scales."""
+    rng = np.random.default_rng(seed)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (N * K // block, type_size), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype]:
+        raw[:, offset : offset + 2] = rng.uniform(-0.02, 0.02, len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return BlockMatrix(qtype, raw.reshape(N, -1), K)
+
+
+def random_w4(N: int, K: int, seed: int) -> W4Weight:
+    rng = np.random.default_rng(seed)
+    scales = rng.uniform(0.001, 0.02, (N, K // 128)).astype(np.float32)
+    bits = (scales.view(np.uint32) >> 16).astype(np.uint16)  # truncated to bf16
+    return W4Weight(rng.integers(0, 2**32, (N, K // 8), dtype=np.uint32), bits)
+
+
+def w4_reference(weight: W4Weight) -> np.ndarray:
+    """float64 [N, K] from the layout's definition: (nibble - 8) * bf16 scale."""
+    scales = (weight.scales.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    levels = unpack_levels(weight.packed).astype(np.float64)
+    return (levels.reshape(len(levels), -1, 128) * scales[:, :, None]).reshape(levels.shape)
+
+
+def gguf_reference(weight: BlockMatrix) -> np.ndarray:
+    N, K = weight.shape
+    return gguf.quants.dequantize(weight.raw.reshape(-1), weight.qtype).reshape(N, K).astype(np.float64)
+
+
+def int8_activations(x: np.ndarray) -> np.ndarray:
+    """The w4a8 route's activation as float64: int8 level times its block's scale."""
+    q, scale = quantize_int8_blocks(x)
+    return (q.astype(np.float64) * scale[..., None].astype(np.float64)).reshape(x.shape)
+
+
+def assert_within_sum_bound(y: np.ndarray, w64: np.ndarray, x64: np.ndarray, terms: int) -> None:
+    exact = x64 @ w64.T
+    bound = 2 * terms * U * (np.abs(x64) @ np.abs(w64).T) + 1e-30
+    excess = np.abs(y - exact) / bound
+    assert excess.max() <= 1.0, f"{excess.max():.2f} x the summation bound"
+
+
+def activations(T_rows: int, K: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((T_rows, K)).astype(np.float32)
+
+
+ROWS = (1, 2, 3, 5, 8, 16, 40)
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", ROWS)
+def test_gguf_w4a8_within_the_sum_bound_of_gguf_reference(qtype, rows):
+    weight = random_blocks(qtype, 48, 512, seed=qtype.value)
+    x = activations(rows, 512, seed=rows)
+    linear = compiled.make_linear(weight, "w4a8")
+    assert isinstance(linear, compiled.W4A8Linear)
+    y = linear(x)
+    assert y.dtype == np.float32 and y.shape == (rows, 48)
+    assert_within_sum_bound(y, gguf_reference(weight), int8_activations(x), terms=512)
+    assert_within_sum_bound(cpu.W4A8Linear(weight)(x), gguf_reference(weight), int8_activations(x), terms=512)
+
+
+@pytest.mark.parametrize("route", ["w4a8", "w4a16"])
+@pytest.mark.parametrize("rows", ROWS)
+def test_w4_within_the_sum_bound_of_the_layout_definition(route, rows):
+    weight = random_w4(40, 768, seed=rows)
+    x = activations(rows, 768, seed=100 + rows)
+    linear = compiled.make_linear(weight, route)
+    assert type(linear).__module__ == compiled.__name__ and linear.route == route
+    x64 = int8_activations(x) if route == "w4a8" else round_to_bf16(x).astype(np.float64)
+    assert_within_sum_bound(linear(x), w4_reference(weight), x64, terms=768)
+
+
+def test_one_unit_equals_numpy_bit_for_bit():
+    """K = 32: one integer dot, one rescale, nothing summed in another order."""
+    for weight in (random_blocks(Q.Q8_0, 16, 32, 1), random_blocks(Q.Q4_0, 16, 32, 2), random_blocks(Q.IQ4_XS, 16, 256, 3)):
+        x = activations(4, weight.shape[1], seed=5)
+        if weight.shape[1] == 32:
+            assert np.array_equal(compiled.make_linear(weight, "w4a8")(x), cpu.W4A8Linear(weight)(x))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: (random_blocks(Q.Q4_0, 64, 1024, 7), "w4a8"),
+    lambda: (random_blocks(Q.Q8_0, 64, 1024, 8), "w4a8"),
+    lambda: (random_blocks(Q.Q4_K, 64, 1024, 9), "w4a8"),
+    lambda: (random_blocks(Q.Q6_K, 64, 1024, 10), "w4a8"),
+    lambda: (random_w4(64, 1024, 11), "w4a16"),
+    lambda: (random_w4(64, 1024, 12), "w4a8"),
+    lambda: (np.random.default_rng(14).standard_normal((64, 1000)).astype(np.float32), "bf16"),
+], ids=["q4_0", "q8_0", "q4_k", "q6_k", "w4a16", "w4a8", "dense"])
+def test_a_token_row_has_the_same_bits_alone_and_among_others(make):
+    weight, route = make()
+    linear = compiled.make_linear(weight, route)
+    x = activations(16, linear.shape[1], seed=3) * np.float32(4)
+    alone = np.concatenate([linear(x[t : t + 1]) for t in range(16)])
+    for rows in range(2, 17):
+        assert np.array_equal(linear(x[:rows]), alone[:rows]), f"{rows} rows"
+    assert np.array_equal(linear(x[::-1])[::-1], alone)  # a row's place among the others does not matter
+
+
+def test_prefill_tiles_give_each_row_its_decode_bits():
+    linear = compiled.make_linear(random_blocks(Q.Q4_0, 64, 1024, 21), "w4a8")
+    x = activations(40, 1024, seed=21)
+    together = linear(x)
+    assert np.array_equal(together[[0, 17, 39]], np.concatenate([linear(x[t : t + 1]) for t in (0, 17, 39)]))
+
+
+def test_a_weight_row_has_the_same_bits_however_the_rows_are_split():
+    linear = compiled.make_linear(random_blocks(Q.Q5_K, 96, 512, 31), "w4a8")
+    x = activations(3, 512, seed=31)
+    prepared = linear.prepare(x)
+    whole = np.empty((3, 96), np.float32)
+    linear.kernel(prepared, whole, 0, 96)
+    parts = np.empty((3, 96), np.float32)
+    for lo, hi in ((0, 1), (1, 50), (50, 96)):
+        linear.kernel(prepared, parts, lo, hi)
+    assert np.array_equal(whole, parts)
+
+
+def test_dense_rows_within_the_sum_bound_and_prefill_through_blas():
+    rng = np.random.default_rng(41)
+    weight = rng.standard_normal((72, 1000)).astype(np.float32)
+    linear = compiled.make_linear(weight, "bf16")
+    for rows in (1, 7, 16, 33):
+        x = activations(rows, 1000, seed=rows)
+        assert_within_sum_bound(linear(x), weight.astype(np.float64), x.astype(np.float64), terms=1000)
+
+
+def test_the_numpy_reference_runs_when_asked(monkeypatch):
+    monkeypatch.setenv(compiled.KERNELS_ENV, "numpy")
+    assert "numpy" in compiled.unavailable()
+    assert type(compiled.make_linear(random_blocks(Q.Q4_0, 16, 64, 1), "w4a8")) is cpu.W4A8Linear
