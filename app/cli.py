@@ -97,8 +97,10 @@ def main_parser() -> OneLineParser:
     parser = OneLineParser(
         prog="duet",
         description="Chat with Qwen3.5-family models. Without --headless, opens the chat UI.",
-        epilog="Also: duet models {list,pull,rm,info,import} · duet convert SRC DST --format FORMAT · "
-               f"duet bench {{{','.join(b.name for b in BENCHMARKS)}}} (each with --help)",
+        # One command a line, as written: argparse's wrapping would break a name at its hyphen.
+        epilog="Also:\n  duet models {list,pull,rm,info,import}\n  duet convert SRC DST --format FORMAT\n"
+               f"  duet bench {{{','.join(b.name for b in BENCHMARKS)}}}\n(each with --help)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", help="model folder (default: the bundled demo model)")
     parser.add_argument("--route", **choice(Route), default=Route.AUTO,

@@ -32,6 +32,8 @@ BENCHMARKS = (
     Benchmark("trellis", "trellis-code MSE on unit Gaussians against grids and the Shannon bound", "trellis"),
     Benchmark("gpu", "W4 GEMVs and the decode cycle on the GPU against copy bandwidth, both routes", "gpu"),
     Benchmark("heads", "ms per row of the full head, the draft shortlist and host tables", "heads"),
+    Benchmark("cpu", "load, prefill and decode tok/s and what drafts buy on the CPU; with --llama-bench, llama.cpp "
+              "on the same GGUF file", "cpu"),
 )
 
 
