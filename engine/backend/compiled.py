@@ -72,93 +72,125 @@ def _jit(fastmath: bool = False):
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels. Shapes: N weight rows, U units a row, T <= 16 token rows; [lo, hi) is this thread's
-# share of weight rows; out [T, N] fp32. Integer products are cast back to their narrow type at
-# each step so that LLVM keeps them narrow (numba widens integer arithmetic to int64, which turns
-# a 16-lane multiply-add into 4-lane ones).
+# Kernels. Shapes: N weight rows in G groups of R rows; U units a row, L = R * U lanes a group
+# (lane r * U + v is unit v of the group's row r); T <= 16 token rows, x tiled R times along the
+# lanes; [lo, hi) is this thread's share of groups; out [T, N] fp32. Putting R rows side by side
+# makes the vector loops long enough to pay for themselves (K = 1024 has only 32 units a row).
+# Integer products are cast back to their narrow type at each step so that LLVM keeps them narrow
+# (numba widens integer arithmetic to int64, which turns a 16-lane multiply-add into 4-lane ones).
+# Integer dots are exact, so computing them straight from the codes (one token row) or from a
+# decoded scratch (several) gives the same bits; only the fp32 sums' order matters, and it is fixed.
+
+
+@_jit()
+def _rescale(dots, scale, x_scale, out, t, first):
+    """out[t, first + r] = sum over units v, in order, of fp32(dots[r*U + v]) * (scale[r*U + v] * x_scale[v])."""
+    U = x_scale.shape[0]
+    for r in range(dots.shape[0] // U):
+        if first + r >= out.shape[1]:
+            return
+        acc = np.float32(0)
+        for v in range(U):
+            acc += np.float32(dots[r * U + v]) * (scale[r * U + v] * x_scale[v])
+        out[t, first + r] = acc
 
 
 @_jit()
 def _w4a8_nibbles(codes, scale, x, x_scale, out, lo, hi):
-    """Levels -8..7, two a byte: codes uint8 [N, unit/2, U], low nibble position j, high nibble
-    position j + unit/2, each stored + 8. x int16 [T, unit, U] (int8 activation levels).
-
-    out[t, n] = sum over units v, in order, of fp32(dot_v) * (scale[n, v] * x_scale[t, v]); a
-    unit's dot is exact in int16: |dot| <= 32 * 8 * 127 = 32512 < 2^15."""
-    T, half, U = x.shape[0], codes.shape[1], codes.shape[2]
-    w = np.empty((2 * half, U), np.int16)
-    dots = np.empty(U, np.int16)
-    for n in range(lo, hi):
-        for j in range(half):
-            for v in range(U):
-                byte = np.int16(codes[n, j, v])
-                w[j, v] = np.int16((byte & 15) - 8)
-                w[j + half, v] = np.int16((byte >> 4) - 8)
+    """Levels -8..7, two a byte: codes uint8 [G, unit/2, L], low nibble position j, high nibble
+    position j + unit/2, each stored + 8; x int16 [T, unit, L] (int8 activation levels); scale
+    fp32 [G, L]. A unit's dot is exact in int16: |dot| <= 32 * 8 * 127 = 32512 < 2^15."""
+    T, half, L = x.shape[0], codes.shape[1], codes.shape[2]
+    R = L // x_scale.shape[1]
+    w = np.empty((2 * half, L), np.int16)
+    dots = np.empty(L, np.int16)
+    for g in range(lo, hi):
+        if T > 1:
+            for j in range(half):
+                for lane in range(L):
+                    byte = np.int16(codes[g, j, lane])
+                    w[j, lane] = np.int16((byte & 15) - 8)
+                    w[j + half, lane] = np.int16((byte >> 4) - 8)
         for t in range(T):
             dots[:] = 0
-            for j in range(2 * half):
-                for v in range(U):
-                    dots[v] = np.int16(dots[v] + np.int16(w[j, v] * x[t, j, v]))
-            acc = np.float32(0)
-            for v in range(U):
-                acc += np.float32(dots[v]) * (scale[n, v] * x_scale[t, v])
-            out[t, n] = acc
+            if T == 1:
+                for j in range(half):
+                    for lane in range(L):
+                        byte = np.int16(codes[g, j, lane])
+                        dots[lane] = np.int16(dots[lane] + np.int16(np.int16((byte & 15) - 8) * x[t, j, lane])
+                                              + np.int16(np.int16((byte >> 4) - 8) * x[t, j + half, lane]))
+            else:
+                for j in range(2 * half):
+                    for lane in range(L):
+                        dots[lane] = np.int16(dots[lane] + np.int16(w[j, lane] * x[t, j, lane]))
+            _rescale(dots, scale[g], x_scale[t], out, t, g * R)
 
 
 @_jit()
 def _w4a8_bytes(codes, scale, minimum, x, x_scale, x_sum, out, lo, hi):
-    """Levels in the int8 range, one a byte: codes int8 [N, unit, U]; x int16 [T, unit, U].
+    """Levels in the int8 range, one a byte: codes int8 [G, unit, L]; x int16 [T, unit, L].
 
-    out[t, n] = sum_v fp32(dot_v) * (scale[n, v] * x_scale[t, v]), minus, for types with a minimum
-    (minimum [N, U]; [N, 0] when there is none), sum_v (x_sum[t, v] * x_scale[t, v]) * minimum[n, v];
-    each sum in unit order. A product fits int16 (|level * x| <= 128 * 127 = 16256), a unit's dot int32."""
-    T, unit, U = x.shape[0], codes.shape[1], codes.shape[2]
-    has_minimum = minimum.shape[1] > 0
-    w = np.empty((unit, U), np.int16)
-    dots = np.empty(U, np.int32)
-    for n in range(lo, hi):
-        for j in range(unit):
-            for v in range(U):
-                w[j, v] = codes[n, j, v]
+    out[t, n] as _rescale, minus, for types with a minimum (minimum fp32 [G, L]; [G, 0] when there
+    is none), sum_v (x_sum[t, v] * x_scale[t, v]) * minimum[n's lane v], in unit order. A product
+    fits int16 (|level * x| <= 128 * 127 = 16256), a unit's dot int32."""
+    T, unit, L = x.shape[0], codes.shape[1], codes.shape[2]
+    U = x_scale.shape[1]
+    R = L // U
+    w = np.empty((unit, L), np.int16)
+    dots = np.empty(L, np.int32)
+    for g in range(lo, hi):
+        if T > 1:
+            for j in range(unit):
+                for lane in range(L):
+                    w[j, lane] = codes[g, j, lane]
         for t in range(T):
             dots[:] = 0
-            for j in range(unit):
-                for v in range(U):
-                    dots[v] = np.int32(dots[v] + np.int32(np.int16(w[j, v] * x[t, j, v])))
-            acc = np.float32(0)
-            for v in range(U):
-                acc += np.float32(dots[v]) * (scale[n, v] * x_scale[t, v])
-            if has_minimum:
-                offset = np.float32(0)
-                for v in range(U):
-                    offset += (x_sum[t, v] * x_scale[t, v]) * minimum[n, v]
-                acc -= offset
-            out[t, n] = acc
+            if T == 1:
+                for j in range(unit):
+                    for lane in range(L):
+                        dots[lane] = np.int32(dots[lane] + np.int32(np.int16(np.int16(codes[g, j, lane]) * x[t, j, lane])))
+            else:
+                for j in range(unit):
+                    for lane in range(L):
+                        dots[lane] = np.int32(dots[lane] + np.int32(np.int16(w[j, lane] * x[t, j, lane])))
+            _rescale(dots, scale[g], x_scale[t], out, t, g * R)
+            if minimum.shape[1] > 0:
+                for r in range(R):
+                    n = g * R + r
+                    if n < out.shape[1]:
+                        offset = np.float32(0)
+                        for v in range(U):
+                            offset += (x_sum[t, v] * x_scale[t, v]) * minimum[g, r * U + v]
+                        out[t, n] -= offset
 
 
 @_jit()
-def _w4a16_nibbles(codes, scale, x, out, lo, hi):
-    """W4 on w4a16: codes uint8 [N, 64, G] as in _w4a8_nibbles with 128-input units (groups);
-    x fp32 [T, 128, G], bf16-rounded. Per group an fp32 sum over positions 0..127 in order (each
-    product level * x is exact), then out[t, n] = sum_g, in order, of sums[g] * scale[n, g]."""
-    T, half, G = x.shape[0], codes.shape[1], codes.shape[2]
-    w = np.empty((2 * half, G), np.float32)
-    sums = np.empty(G, np.float32)
-    for n in range(lo, hi):
+def _w4a16_nibbles(codes, scale, x, units, out, lo, hi):
+    """W4 on w4a16: codes uint8 [G, 64, L] as in _w4a8_nibbles with `units` 128-input units (groups)
+    a row; x fp32 [T, 128, L], bf16-rounded; scale fp32 [G, L]. Per group an fp32 sum over positions
+    0..127 in order (each product level * x is exact), then out[t, n] = sum over groups, in order,
+    of sum * scale."""
+    T, half, L = x.shape[0], codes.shape[1], codes.shape[2]
+    R = L // units
+    w = np.empty((2 * half, L), np.float32)
+    sums = np.empty(L, np.float32)
+    for g in range(lo, hi):
         for j in range(half):
-            for g in range(G):
-                byte = np.int32(codes[n, j, g])
-                w[j, g] = np.float32((byte & 15) - 8)
-                w[j + half, g] = np.float32((byte >> 4) - 8)
+            for lane in range(L):
+                byte = np.int32(codes[g, j, lane])
+                w[j, lane] = np.float32((byte & 15) - 8)
+                w[j + half, lane] = np.float32((byte >> 4) - 8)
         for t in range(T):
             sums[:] = 0
             for j in range(2 * half):
-                for g in range(G):
-                    sums[g] += w[j, g] * x[t, j, g]
-            acc = np.float32(0)
-            for g in range(G):
-                acc += sums[g] * scale[n, g]
-            out[t, n] = acc
+                for lane in range(L):
+                    sums[lane] += w[j, lane] * x[t, j, lane]
+            for r in range(R):
+                if g * R + r < out.shape[1]:
+                    acc = np.float32(0)
+                    for v in range(units):
+                        acc += sums[r * units + v] * scale[g, r * units + v]
+                    out[t, g * R + r] = acc
 
 
 @_jit(fastmath=True)
@@ -180,89 +212,142 @@ def _dense(weight, x, out, lo, hi):
 
 @dataclass(frozen=True)
 class UnitPlanes:
-    """A quantized matrix [N, K] as the kernels read it (module docstring).
+    """A quantized matrix [N, K] as the kernels read it (module docstring, kernel shapes).
 
-    codes    uint8 [N, unit/2, U] (`nibbles`: levels -8..7, two a byte) or int8 [N, unit, U]
-    scale    fp32 [N, U]: the weight scale of each unit (bf16, f16 or products of them, exact)
-    minimum  fp32 [N, U] for Q4_K / Q5_K, else [N, 0]
+    codes    uint8 [G, unit/2, L] (`nibbles`: levels -8..7, two a byte) or int8 [G, unit, L]
+    scale    fp32 [G, L]: the weight scale of each unit (f16, bf16 or a product of them, exact)
+    minimum  fp32 [G, L] for Q4_K / Q5_K, else [G, 0]
+    Rows past N (the last group's padding) have level 0 and scale 0.
     """
 
     codes: np.ndarray
     scale: np.ndarray
     minimum: np.ndarray
+    rows: int
+    group: int  # weight rows side by side in a group (R)
     unit: int
     nibbles: bool
 
     @property
+    def units(self) -> int:
+        return self.K // self.unit
+
+    @property
+    def K(self) -> int:
+        return self.codes.shape[2] // self.group * self.unit
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.unit * self.codes.shape[2]
+        return self.rows, self.K
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes + self.minimum.nbytes
 
 
+MIN_LANES = 128  # lanes a group should have at least: R = ceil(128 / U), at most MAX_GROUP rows
+MAX_GROUP = 8
 REPACK_ROWS_WEIGHTS = 1 << 20  # weights repacked at a time
 
 
+def rows_per_group(units: int) -> int:
+    return max(1, min(MAX_GROUP, -(-MIN_LANES // units)))
+
+
 def repack(weight: W4Weight | BlockMatrix, unit: int) -> UnitPlanes:
-    """Decode the stored form a chunk of rows at a time (its codec, engine/quant) and lay the levels
-    out by units of `unit` inputs. Two levels a byte where every level fits a nibble (W4, Q4_0)."""
+    """Lay a matrix's levels out by units of `unit` inputs, R rows side by side, a chunk of rows at a
+    time split between the cores. Two levels a byte where every level fits a nibble (W4, Q4_0)."""
     N, K = weight.shape
     U = K // unit
-    nibbles = isinstance(weight, W4Weight) or (isinstance(weight, BlockMatrix) and weight.codec.sub == 32
-                                               and weight.qtype.name == "Q4_0")
-    codes = np.empty((N, unit // 2, U), np.uint8) if nibbles else np.empty((N, unit, U), np.int8)
-    scale = np.empty((N, U), np.float32)
+    R = rows_per_group(U)
+    G = -(-N // R)
+    nibbles = isinstance(weight, W4Weight) or weight.qtype.name == "Q4_0"
+    positions = unit // 2 if nibbles else unit
+    codes = np.empty((G, positions, R * U), np.uint8 if nibbles else np.int8)
+    scale = np.empty((G, R * U), np.float32)
     has_minimum = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_K", "Q5_K")
-    minimum = np.empty((N, U if has_minimum else 0), np.float32)
-    step = max(1, REPACK_ROWS_WEIGHTS // K)
-    starts = range(0, N, step)
+    minimum = np.empty((G, R * U if has_minimum else 0), np.float32)
+    step = R * max(1, REPACK_ROWS_WEIGHTS // K // R)  # whole groups
+
+    def lanes(values: np.ndarray) -> np.ndarray:
+        """[r, ..., U] rows -> [ceil(r / R), ..., R * U], row r's units at lanes r * U .. r * U + U - 1;
+        a last, partial group is padded with level 0 (nibble code 0x88) and scale 0."""
+        rows, pad = values.shape[0], -values.shape[0] % R
+        if pad:
+            fill = 0x88 if nibbles and values.dtype == np.uint8 else 0
+            values = np.concatenate([values, np.full((pad, *values.shape[1:]), fill, values.dtype)])
+        grouped = values.reshape((rows + pad) // R, R, *values.shape[1:-1], U)
+        return np.moveaxis(grouped, 1, -2).reshape((rows + pad) // R, *values.shape[1:-1], R * U)
 
     def chunks(lo: int, hi: int) -> None:
-        for start in starts[lo:hi]:
+        for start in range(lo * step, min(N, hi * step), step):
             stop = min(N, start + step)
-            levels, sub_scale, sub_minimum = weight.decode_rows(start, stop)  # [r, S, sub], [r, S]
-            per_sub = levels.shape[2] // unit  # units a scale covers
-            by_unit = levels.reshape(stop - start, U, unit).transpose(0, 2, 1)  # [r, unit, U]
-            if nibbles:
-                stored = (by_unit + 8).astype(np.uint8)
-                codes[start:stop] = stored[:, : unit // 2] | (stored[:, unit // 2 :] << np.uint8(4))
-            else:
-                codes[start:stop] = by_unit
-            scale[start:stop] = np.repeat(sub_scale, per_sub, axis=1)
+            by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)
+            first, last = start // R, -(-stop // R)
+            codes[first:last] = lanes(by_unit)
+            scale[first:last] = lanes(unit_scale)
             if has_minimum:
-                minimum[start:stop] = np.repeat(sub_minimum, per_sub, axis=1)
+                minimum[first:last] = lanes(unit_minimum)
 
-    in_parallel(chunks, len(starts))
-    return UnitPlanes(codes, scale, minimum, unit, nibbles)
+    in_parallel(chunks, -(-N // step))
+    return UnitPlanes(codes, scale, minimum, N, R, unit, nibbles)
+
+
+def _units(weight: W4Weight | BlockMatrix, start: int, stop: int, unit: int, nibbles: bool):
+    """Rows start..stop as (codes [r, positions, U], scale [r, U], minimum [r, U] or None).
+
+    Q4_0 and Q8_0 blocks are already one unit of 32 each, with the codes in the order the kernels
+    read (Q4_0: byte j holds positions j and j + 16 as nibble + 8), so they are transposed, not
+    decoded; every other form goes through its codec (engine/quant)."""
+    rows = stop - start
+    if isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0") and unit == 32:
+        blocks = weight.raw[start:stop].reshape(rows, -1, weight.codec.type_size)  # [r, U, 2 + payload]
+        scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0].astype(np.float32)
+        payload = blocks[:, :, 2:].transpose(0, 2, 1)  # [r, positions, U]
+        return (payload if nibbles else payload.view(np.int8)), scale, None
+    levels, sub_scale, sub_minimum = weight.decode_rows(start, stop)  # [r, S, sub], [r, S]
+    per_sub = levels.shape[2] // unit  # units one scale covers
+    by_unit = levels.reshape(rows, -1, unit).transpose(0, 2, 1)  # [r, unit, U]
+    if nibbles:
+        stored = (by_unit + 8).astype(np.uint8)
+        by_unit = stored[:, : unit // 2] | (stored[:, unit // 2 :] << np.uint8(4))
+    minimum = None if sub_minimum is None else np.repeat(sub_minimum, per_sub, axis=1)
+    return by_unit, np.repeat(sub_scale, per_sub, axis=1), minimum
 
 
 # ---------------------------------------------------------------------------------------------
 # Linears. Each has prepare(x rows) -> the activations as its kernel reads them, and
-# kernel(prepared, out rows, lo, hi).
+# kernel(prepared, out rows, lo, hi) over groups [lo, hi).
 
 
 class TiledLinear(cpu.Linear):
+    planes: UnitPlanes
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.planes.shape
+
     @property
     def nbytes(self) -> int:
         return self.planes.nbytes
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        """out [T, N], MAX_ROWS token rows at a time, each tile's weight rows split between the
+        """out [T, N], MAX_ROWS token rows at a time, each tile's row groups split between the
         cores when the product is large enough to pay for it."""
         N, K = self.shape
         out = np.empty((x.shape[0], N), np.float32)
+        groups = self.planes.codes.shape[0]
         for t0 in range(0, x.shape[0], MAX_ROWS):
             prepared, out_rows = self.prepare(x[t0 : t0 + MAX_ROWS]), out[t0 : t0 + MAX_ROWS]
-            in_parallel(lambda lo, hi: self.kernel(prepared, out_rows, lo, hi), N, split=N * K >= SPLIT_MIN_WEIGHTS)
+            in_parallel(lambda lo, hi: self.kernel(prepared, out_rows, lo, hi), groups, split=N * K >= SPLIT_MIN_WEIGHTS)
         return out
 
-
-def _by_unit(values: np.ndarray, unit: int, dtype) -> np.ndarray:
-    """[T, ..., unit] (units in input order) -> contiguous [T, unit, U] (position-major, as the codes)."""
-    T = values.shape[0]
-    return np.ascontiguousarray(values.reshape(T, -1, unit).transpose(0, 2, 1), dtype=dtype)
+    def by_lanes(self, values: np.ndarray, dtype) -> np.ndarray:
+        """Token rows [T, K] -> [T, unit, R * U]: position-major as the codes, tiled for the R rows."""
+        p = self.planes
+        T = values.shape[0]
+        by_unit = values.reshape(T, p.units, p.unit).transpose(0, 2, 1)
+        return np.ascontiguousarray(np.tile(by_unit, (1, 1, p.group)), dtype=dtype)
 
 
 class W4A8Linear(TiledLinear):
@@ -275,10 +360,6 @@ class W4A8Linear(TiledLinear):
     def __init__(self, weight: W4Weight | BlockMatrix):
         self.planes = repack(weight, min(ACT_BLOCK, weight.block_size()))
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.planes.shape
-
     def prepare(self, x: np.ndarray):
         p = self.planes
         q, act_scale = quantize_int8_blocks(x)  # [T, K/32, 32], [T, K/32]
@@ -287,7 +368,7 @@ class W4A8Linear(TiledLinear):
             x_sum = q.reshape(x.shape[0], -1, p.unit).sum(axis=-1, dtype=np.float32)
         else:
             x_sum = x_scale  # not read
-        return _by_unit(q, p.unit, np.int16), x_scale, x_sum
+        return self.by_lanes(q.reshape(x.shape[0], -1), np.int16), x_scale, x_sum
 
     def kernel(self, prepared, out: np.ndarray, lo: int, hi: int) -> None:
         q, x_scale, x_sum = prepared
@@ -307,15 +388,11 @@ class W4A16Linear(TiledLinear):
     def __init__(self, weight: W4Weight):
         self.planes = repack(weight, GROUP)
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.planes.shape
-
     def prepare(self, x: np.ndarray):
-        return _by_unit(round_to_bf16(x), GROUP, np.float32)
+        return self.by_lanes(round_to_bf16(x), np.float32)
 
     def kernel(self, x: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
-        _w4a16_nibbles(self.planes.codes, self.planes.scale, x, out, lo, hi)
+        _w4a16_nibbles(self.planes.codes, self.planes.scale, x, self.planes.units, out, lo, hi)
 
 
 class DenseLinear(cpu.DenseLinear):

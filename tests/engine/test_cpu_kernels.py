@@ -138,14 +138,26 @@ def test_prefill_tiles_give_each_row_its_decode_bits():
     assert np.array_equal(together[[0, 17, 39]], np.concatenate([linear(x[t : t + 1]) for t in (0, 17, 39)]))
 
 
+@pytest.mark.parametrize("N", [1, 3, 45])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_K])
+def test_row_counts_that_leave_a_partial_group(N, qtype):
+    """Rows are laid side by side in groups of up to 8; a last, partial group holds padding."""
+    weight = random_blocks(qtype, N, 256, seed=N)
+    x = activations(3, 256, seed=N)
+    y = compiled.make_linear(weight, "w4a8")(x)
+    assert y.shape == (3, N)
+    assert_within_sum_bound(y, gguf_reference(weight), int8_activations(x), terms=256)
+
+
 def test_a_weight_row_has_the_same_bits_however_the_rows_are_split():
     linear = compiled.make_linear(random_blocks(Q.Q5_K, 96, 512, 31), "w4a8")
     x = activations(3, 512, seed=31)
     prepared = linear.prepare(x)
+    groups = linear.planes.codes.shape[0]
     whole = np.empty((3, 96), np.float32)
-    linear.kernel(prepared, whole, 0, 96)
+    linear.kernel(prepared, whole, 0, groups)
     parts = np.empty((3, 96), np.float32)
-    for lo, hi in ((0, 1), (1, 50), (50, 96)):
+    for lo, hi in ((0, 1), (1, groups // 2), (groups // 2, groups)):
         linear.kernel(prepared, parts, lo, hi)
     assert np.array_equal(whole, parts)
 
