@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import httpx
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from duet.engine.checkpoint.gguf_names import gguf_config
@@ -121,12 +122,13 @@ def _split_gguf_names(name: str, exists, where) -> list[str]:
     return names
 
 
-def read_gguf_header(path: Path) -> tuple[dict[str, TensorInfo], dict]:
-    """The tensors and metadata of a local GGUF file, every length and offset checked against the file."""
+def read_gguf_header(path: Path, arrays: bool = False) -> tuple[dict[str, TensorInfo], dict]:
+    """The tensors and metadata of a local GGUF file, every length and offset checked against the file.
+    `arrays`: keep long arrays too (the token list and merges a tokenizer needs); else they are skipped."""
     try:
         size = path.stat().st_size
         with open(path, "rb", buffering=1 << 16) as handle:
-            return parse_gguf_header(_FileStream(handle, str(path), size), str(path), size)
+            return parse_gguf_header(_FileStream(handle, str(path), size), str(path), size, arrays)
     except OSError as exc:
         raise CheckpointError(path, f"cannot read the file ({exc.strerror})") from None
 
@@ -170,7 +172,7 @@ MAX_COUNT = 1 << 26  # no real file has more keys, tensors or array items; a lar
 KEEP_ARRAY_ITEMS = 1024  # per-layer arrays are kept; token lists and merges are skipped over
 
 
-def parse_gguf_header(stream, source: str, size: int) -> tuple[dict[str, TensorInfo], dict]:
+def parse_gguf_header(stream, source: str, size: int, arrays: bool = False) -> tuple[dict[str, TensorInfo], dict]:
     if stream.read(4) != b"GGUF":
         raise CheckpointError(source, "not a GGUF file (the magic bytes are wrong)")
     version = _scalar(stream, 4)
@@ -182,7 +184,7 @@ def parse_gguf_header(stream, source: str, size: int) -> tuple[dict[str, TensorI
         key = _string(stream, source)
         if key in metadata:
             raise CheckpointError(source, f"GGUF key {key} appears twice; the file is corrupt, re-download it")
-        metadata[key] = _value(stream, _scalar(stream, 4), source)
+        metadata[key] = _value(stream, _scalar(stream, 4), source, arrays)
     entries = [_tensor_entry(stream, source) for _ in range(n_tensors)]
     alignment = metadata.get("general.alignment", 32)
     if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
@@ -211,7 +213,7 @@ def _string(stream, source: str) -> str:
         raise CheckpointError(source, "a GGUF key or tensor name is not UTF-8; the file is corrupt") from None
 
 
-def _value(stream, vtype: int, source: str):
+def _value(stream, vtype: int, source: str, arrays: bool = False):
     if vtype in GGUF_SCALARS:
         return _scalar(stream, vtype)
     if vtype == GGUF_STRING:
@@ -221,10 +223,15 @@ def _value(stream, vtype: int, source: str):
     item_type, count = _scalar(stream, 4), _count(stream, source)
     if item_type not in GGUF_SCALARS and item_type != GGUF_STRING:  # llama.cpp reads no arrays of arrays either
         raise CheckpointError(source, f"GGUF array of value type {item_type} is not supported; the file is corrupt or too new")
-    if count <= KEEP_ARRAY_ITEMS:
-        return [_value(stream, item_type, source) for _ in range(count)]
-    _skip_items(stream, item_type, count, source)
-    return None
+    if count > KEEP_ARRAY_ITEMS and not arrays:
+        _skip_items(stream, item_type, count, source)
+        return None
+    if item_type in GGUF_SCALARS:  # one read (checked against the file's size first), decoded at once
+        fmt = GGUF_SCALARS[item_type]
+        return np.frombuffer(stream.read(count * struct.calcsize(fmt)), fmt).tolist()
+    if item_type == GGUF_STRING:
+        return [_string(stream, source) for _ in range(count)]
+    return [_value(stream, item_type, source) for _ in range(count)]
 
 
 def _skip_items(stream, item_type: int, count: int, source: str) -> None:

@@ -142,7 +142,7 @@ def test_the_reader_gives_back_the_source_tensors(llamacpp):
         stored, expected = ckpt.read_f32(name), tensor(name.removeprefix("model."))
         if isinstance(stored, InputOrder):  # the file's inputs are the model's, gathered by order
             stored, expected = stored.weight, expected[:, stored.order]
-        if ckpt.tensors[ckpt.entries[name].source].tensor_type == gguf.GGMLQuantizationType.F16:
+        if ckpt.types[ckpt.entries[name].source] == gguf.GGMLQuantizationType.F16:
             assert np.array_equal(stored, expected.astype(np.float16).astype(np.float32)), name
         else:
             np.testing.assert_allclose(stored, expected, rtol=0, atol=1e-6, err_msg=name)

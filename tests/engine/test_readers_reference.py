@@ -342,7 +342,7 @@ def test_shard_names_are_sorted_and_unique():
 
 # --- GGUF -----------------------------------------------------------------------------------------------
 
-from duet.engine.checkpoint.gguf import FLOAT_ROUTES, QUANTIZED_ROUTES, GGUFCheckpoint, find_gguf, open_gguf  # noqa: E402
+from duet.engine.checkpoint.gguf import FLOAT_ROUTES, QUANTIZED_ROUTES, GGUFCheckpoint, find_gguf  # noqa: E402
 from duet.engine.quant.gguf_blocks import BlockMatrix  # noqa: E402
 
 QWEN35_MTP, QWEN35MOE, QWEN3NEXT = (DATA / f"llamacpp_{n}_f16.gguf" for n in ("qwen35_mtp", "qwen35moe", "qwen3next"))
@@ -570,21 +570,34 @@ def test_find_gguf(tmp_path):
     assert find_gguf(tmp_path) is None
 
 
-def test_open_gguf_refusals(tmp_path):
+DEMO_GGUF = Path(__file__).parents[2] / "models" / "demo_gguf" / "demo-q8_0.gguf"
+
+
+def test_gguf_checkpoint_refusals(tmp_path):
     with pytest.raises(CheckpointError, match=f"^{tmp_path / 'x.gguf'}: file not found; pass --model with a .gguf file$"):
-        open_gguf(tmp_path / "x.gguf")
+        GGUFCheckpoint(tmp_path / "x.gguf")
     with pytest.raises(CheckpointError, match="file not found"):
-        open_gguf(tmp_path)
+        GGUFCheckpoint(tmp_path)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(QWEN35_MTP.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=f"^{cut}: file ends inside its GGUF header"):
-        open_gguf(cut)
-    reader = open_gguf(QWEN35_MTP)
-    assert [t.name for t in reader.tensors] == [t.name for t in gguf.GGUFReader(QWEN35_MTP).tensors]
+        GGUFCheckpoint(cut)
+    assert list(GGUFCheckpoint(QWEN35_MTP).tensors) == [t.name for t in gguf.GGUFReader(QWEN35_MTP).tensors]
+
+
+@pytest.mark.parametrize("path", [QWEN35_MTP, DEMO_GGUF], ids=["llamacpp", "demo"])
+def test_gguf_metadata_as_the_gguf_package_reads_it(path):
+    """Every key, long arrays (the demo's 4,096 tokens and token types, merges) included, as
+    gguf.GGUFReader decodes it."""
+    ours, reference = GGUFCheckpoint(path).fields, gguf.GGUFReader(path).fields
+    assert list(ours) == [key for key in reference if not key.startswith("GGUF.")]
+    for key, value in ours.items():
+        assert value == reference[key].contents(), key
+    assert len(ours["tokenizer.ggml.merges"]) > 0
 
 
 def test_a_block_type_the_gguf_package_does_not_know(tmp_path):
-    """Our header reader sizes an unknown type by the next offset; the gguf package then refuses the file."""
+    """Our header reader sizes an unknown type by the next offset; the checkpoint then names the type it refuses."""
     reader = gguf.GGUFReader(QWEN35_MTP)
     last = max(reader.tensors, key=lambda t: t.data_offset)
     type_part = last.field.parts[-2]  # name length, name, n_dims, dims, type, offset
@@ -595,23 +608,9 @@ def test_a_block_type_the_gguf_package_does_not_know(tmp_path):
     path = tmp_path / "custom.gguf"
     path.write_bytes(bytes(blob))
     with pytest.raises(CheckpointError) as refused:
-        open_gguf(path)
-    assert str(refused.value).startswith(f"{path}: a tensor has an unknown block type (")
-    assert "200) is not a valid GGMLQuantizationType" in str(refused.value)
-    assert str(refused.value).endswith("); supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS")
-
-
-@pytest.mark.parametrize("error", [ValueError("odd"), IndexError("i"), KeyError("k"), OSError("o")], ids=lambda e: type(e).__name__)
-def test_what_the_gguf_package_raises_is_one_line(monkeypatch, error):
-    """Past our header check the package should not fail; if it does, its error is one line too."""
-    def fail(path):
-        raise error
-
-    monkeypatch.setattr("duet.engine.checkpoint.gguf.GGUFReader", fail)
-    with pytest.raises(CheckpointError) as refused:
-        open_gguf(QWEN35_MTP)
-    reason = "odd" if isinstance(error, ValueError) else type(error).__name__
-    assert str(refused.value) == f"{QWEN35_MTP}: cannot be read as GGUF ({reason}); the file is truncated or corrupt, download it again"
+        GGUFCheckpoint(path)
+    assert str(refused.value) == (f"{path}: tensor {last.name} is ggml type 200, a block type duet does not read; "
+                                  "supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, IQ4_XS")
 
 
 def test_quantized_experts_and_router_read_as_gguf_dequantize_reads_them(tmp_path):
