@@ -12,7 +12,7 @@ import functools
 import os
 import queue
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from threadpoolctl import ThreadpoolController
 
@@ -123,7 +123,7 @@ def one_blas_thread():
 _SPLITTING = threading.Lock()  # held while a split runs: a split inside one, or beside one, runs whole
 
 
-def in_parallel(work, n: int, split: bool = True) -> None:
+def in_parallel(work, n: int, split: bool = True, blas: bool = True) -> None:
     """work(lo, hi) over [0, n) in PARTS contiguous parts at once, when asked; n counts independent
     items (rows, heads, channels). A decode step does not split: handing work to another thread
     costs more than its few hundred elements. Each part runs its products on one BLAS thread (parts
@@ -136,7 +136,7 @@ def in_parallel(work, n: int, split: bool = True) -> None:
     try:
         bounds = [n * i // parts for i in range(parts + 1)]
         done: queue.SimpleQueue = queue.SimpleQueue()
-        with one_blas_thread():
+        with one_blas_thread() if blas else nullcontext():
             for i in range(parts - 1):
                 _worker(i).parts.put((work, bounds[i], bounds[i + 1], done))
             try:
