@@ -5,22 +5,23 @@ The numpy Linears of engine/backend/cpu.py are the readable reference; these com
 route numerics (DESIGN.md contracts) in another summation order, stated per kernel. Speed comes
 from two things:
 
-- Units laid out position-major. A quantized row is repacked once at load into `UnitPlanes`:
+- Units laid out position-major. A quantized matrix is repacked once at load into `UnitPlanes`:
   for each unit of `unit` inputs that shares one weight scale (32 for W4 and GGUF blocks on w4a8,
-  16 for Q6_K, 128 for W4 on w4a16), position j of every unit is stored side by
-  side, codes [N, unit, U]. The dot products of all U units of a row then grow together, one vector
-  op per position, with no horizontal sum per unit; the unit's scale is applied once at the end.
-- The token rows share the weight. A weight row is decoded once into a small scratch (L1) and
-  multiplied against each of the T <= 16 token rows in turn; the loop over tokens sits outside
-  every reduction, so a token row runs the same instructions, in the same order, whether it is
-  alone (a decode step) or one of k + 1 verify rows. That keeps exact acceptance exact while a
+  16 for Q6_K, 128 for W4 on w4a16), position j of every unit is stored side by side, and R weight
+  rows side by side too (codes [N / R, unit, U * R]). The dot products of all units of R rows then
+  grow together, one vector op per position, with no horizontal sum per unit; each unit's scale is
+  applied once at the end.
+- The token rows share the weight. A group of weight rows is decoded once into a small scratch
+  (L1) and multiplied against the T <= 16 token rows, four at a time; integer dots are exact and
+  every fp32 sum runs in a fixed order per token row, so a token row gets the same bits whether it
+  is alone (a decode step) or one of k + 1 verify rows. That keeps exact acceptance exact while a
   verify pass costs little more than one step. Longer calls (prefill) run in tiles of 16 rows.
 
 Threads: the kernels release the GIL and take a range of weight rows, so engine/backend/threads.py
 splits a product's rows between the cores; a weight row's result does not depend on the split.
 Compiled machine code is cached on disk (platformdirs cache, `numba/`), so only the first run
-compiles (`compile_kernels`, which reports progress). Without numba the numpy Linears run, and
-`unavailable()` says why in one line.
+compiles (about a second a kernel). Without numba the numpy Linears run, and `unavailable()` says
+why in one line.
 """
 
 from __future__ import annotations
@@ -72,10 +73,10 @@ def _jit(fastmath: bool = False):
 
 
 # ---------------------------------------------------------------------------------------------
-# Prefetch. Streaming from RAM, a kernel's loads and its arithmetic did not overlap (5.1 GB/s on two
-# cores over 459 MB of Q4_0, against 9.6 GB/s only reading the codes and 11.9 GB/s computing on
-# codes in cache): the core waited for each group's lines. Asking for the lines of a group a few
-# groups ahead (LLVM's prefetch intrinsic, which numba does not expose) lets the two overlap.
+# Prefetch. Streaming from RAM, the kernels ran at 5.1 GB/s on two cores over 459 MB of Q4_0,
+# against 9.6 GB/s only reading the codes and 11.9 GB/s computing on codes in cache. Asking for the
+# lines of a group a few groups ahead (LLVM's prefetch intrinsic, which numba does not expose) took
+# that to 5.4 GB/s (4 groups ahead; 1: 5.5, 12: 5.2, 32: 4.8): most of the gap is elsewhere.
 
 PREFETCH_AHEAD = 4  # groups: 8-16 KB ahead of the loads
 CACHE_LINE = 64
