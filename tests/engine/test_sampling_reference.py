@@ -192,3 +192,18 @@ def test_draw_is_the_exact_inverse_cdf(probs, us):
     sampler = Sampler(SamplingParams(temperature=1.0, seed=0))
     sampler.rng = ScriptedRng(us)
     assert [sampler.draw(probs) for _ in us] == [exact_draw(probs, u) for u in us]
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 50_000])
+def test_top_p_after_top_k_as_transformers_on_a_large_vocabulary(vocab):
+    """Top-p looks only at the tokens top-k left (it sorted the whole vocabulary before: 9.8 ms a row at
+    248,320 tokens); the kept set and values must be transformers' top-k then top-p. (Ties are pinned
+    elsewhere: ours keeps every token tied with the k-th, torch.topk exactly k.)"""
+    rng = np.random.default_rng(vocab)
+    logits = (rng.standard_normal(vocab) * 3).astype(np.float32)
+    for top_k, top_p in ((20, 0.95), (5, 0.5), (64, 0.999)):
+        processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)])
+        want = processors(torch.tensor([[0]]), torch.from_numpy(logits[None].copy()))[0].numpy()
+        got = process_logits(logits, SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p), [])
+        assert np.array_equal(np.isfinite(got), np.isfinite(want)), (top_k, top_p)
+        np.testing.assert_array_equal(got[np.isfinite(got)], want[np.isfinite(want)])
