@@ -26,6 +26,7 @@ why in one line.
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -419,9 +420,30 @@ def repack(weight: W4Weight | BlockMatrix, unit: int) -> UnitPlanes:
             scale[first:last] = lanes(unit_scale)
             if has_minimum:
                 minimum[first:last] = lanes(unit_minimum)
+            if isinstance(weight, BlockMatrix):
+                _drop_mapped_pages(weight.raw[start:stop])
 
     in_parallel(chunks, -(-N // step))
     return UnitPlanes(codes, scale, minimum, N, R, unit, nibbles)
+
+
+def _drop_mapped_pages(array: np.ndarray) -> None:
+    """Let go of the file pages behind a memory-mapped array once it has been repacked.
+
+    The pages stay in the OS's page cache (a later read, such as an embedding lookup or a switch to
+    the bf16 route, maps them again), but no longer count in this process's resident memory: the
+    0.8B Q4_0 file was held twice after loading, as its blocks and as the planes made from them.
+    Arrays not backed by a file mapping are left alone."""
+    mapped = array
+    while mapped is not None and not isinstance(mapped, mmap.mmap):
+        mapped = getattr(mapped, "base", None)
+    if mapped is None or not array.size:
+        return
+    base = np.frombuffer(mapped, np.uint8).ctypes.data
+    offset = array.ctypes.data - base
+    first, last = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, (offset + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def _units(weight: W4Weight | BlockMatrix, start: int, stop: int, unit: int, nibbles: bool):
