@@ -75,8 +75,11 @@ class ProgressBar:
     def __call__(self, p: LoadProgress) -> None:
         share = p.done_bytes / p.total_bytes if p.total_bytes else 1.0
         filled = int(share * self.WIDTH)
-        self.stream.write(f"\rloading weights [{'#' * filled}{'.' * (self.WIDTH - filled)}] "
-                          f"{share:4.0%} {p.done_bytes / 1e6:,.1f}/{p.total_bytes / 1e6:,.1f} MB")
+        if p.stage == LoadProgress.KERNELS:
+            what, count = "CPU kernels (compiled on a first run)", f"{p.done_bytes}/{p.total_bytes}"
+        else:
+            what, count = "loading weights", f"{p.done_bytes / 1e6:,.1f}/{p.total_bytes / 1e6:,.1f} MB"
+        self.stream.write(f"\r\033[K{what} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {share:4.0%} {count}")
         self.stream.flush()
 
     def close(self) -> None:

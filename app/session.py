@@ -269,8 +269,9 @@ class EngineHost:
         self.switches = Switches(launch.accept)
         self.lm: LoadedModel | None = None
 
-    def load(self, path: Path, route: Route, report_share: Callable[[float], None]) -> LoadedModel:
-        """Load a model, reporting the share of its bytes read at most every LOAD_PROGRESS_STEP."""
+    def load(self, path: Path, route: Route, report_share: Callable[[float, str], None]) -> LoadedModel:
+        """Load a model, reporting (share done, stage) at most every LOAD_PROGRESS_STEP of a stage: the
+        bytes of weights read, then the CPU kernels compiled or loaded (LoadProgress's stages)."""
         return load_model(path, progress=_throttled(report_share), route=route, host_tables=self.launch.choices.host_tables)
 
     def use(self, lm: LoadedModel) -> None:
@@ -303,16 +304,16 @@ class EngineHost:
         return reply_options(settings, self.budget, self.launch.choices, self.switches.accept)
 
 
-def _throttled(report_share: Callable[[float], None]) -> Callable[[LoadProgress], None]:
-    """A load-progress callback that reports the share of bytes read, at most every LOAD_PROGRESS_STEP."""
-    last = -1.0
+def _throttled(report_share: Callable[[float, str], None]) -> Callable[[LoadProgress], None]:
+    """A load-progress callback that reports (share done, stage), at most every LOAD_PROGRESS_STEP of a stage."""
+    last, stage = -1.0, None
 
     def progress(p: LoadProgress) -> None:
-        nonlocal last
+        nonlocal last, stage
         share = p.done_bytes / p.total_bytes if p.total_bytes else 1.0
-        if share - last >= LOAD_PROGRESS_STEP or share >= 1.0:
-            last = share
-            report_share(share)
+        if p.stage != stage or share - last >= LOAD_PROGRESS_STEP or share >= 1.0:
+            last, stage = share, p.stage
+            report_share(share, p.stage)
 
     return progress
 

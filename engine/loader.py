@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from duet.engine.assemble import assemble
+from duet.engine.backend import compiled
 from duet.engine.backend.select import backend_name, gpu_geometry_problem
 from duet.engine.checkpoint.gguf import GGUFCheckpoint, find_gguf
 from duet.engine.checkpoint.hf import TensorPlan, read_weights
@@ -26,10 +27,15 @@ from duet.engine.weights import ModelWeights
 
 @dataclass(frozen=True)
 class LoadProgress:
-    """Bytes of weights read so far out of the total the model needs."""
+    """How far a load is: in stage WEIGHTS, bytes of weights read out of the total the model needs;
+    in stage KERNELS, CPU kernels compiled (a machine's first run) or loaded from the disk cache."""
+
+    WEIGHTS = "weights"
+    KERNELS = "kernels"
 
     done_bytes: int
     total_bytes: int
+    stage: str = WEIGHTS
 
 
 @dataclass
@@ -81,6 +87,8 @@ def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None
     finally:
         opened.checkpoint.close()
     model = assemble_on(weights, chosen, host_tables, chosen_backend, opened.location)
+    if chosen_backend == "cpu":
+        compiled.compile_kernels(progress and (lambda done, total: progress(LoadProgress(done, total, LoadProgress.KERNELS))))
     return LoadedModel(opened.name, opened.location, opened.config, model,
                        opened.tokenizer, route=chosen, routes=opened.routes,
                        weights=weights if len(opened.routes) > 1 else None, host_tables=host_tables)

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import platformdirs
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from duet.engine.backend import MAX_ROWS, cpu
 from duet.engine.backend.threads import in_parallel
@@ -562,6 +564,32 @@ class DenseLinear(cpu.DenseLinear):
         groups = -(-N // DENSE_GROUP)
         in_parallel(lambda lo, hi: _dense(self.weight, x, out, lo, hi), groups, split=N * K >= SPLIT_MIN_WEIGHTS, blas=False)
         return out
+
+
+def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
+    """Compile every kernel for the argument types the Linears pass (or load it from the disk cache),
+    reporting (kernels done, kernels in all) after each. A machine's first run compiles, about a
+    second a kernel; later runs load them in milliseconds. Each kernel runs once on a tiny input
+    through the same code a model uses, so the types match what the model will pass."""
+    if unavailable():
+        return
+    rng = np.random.default_rng(0)
+    x1, x4 = rng.standard_normal((1, 256), np.float32), rng.standard_normal((4, 256), np.float32)
+
+    def blocks(name: str) -> BlockMatrix:
+        qtype = GGMLQuantizationType[name]
+        return BlockMatrix(qtype, np.zeros((8, 256 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]), np.uint8), 256)
+
+    w4 = W4Weight(np.zeros((8, 32), np.uint32), np.zeros((8, 2), np.uint16))
+    linears = [W4A8Linear(blocks("Q4_0")), W4A8Linear(blocks("Q4_K")), W4A16Linear(w4), DenseLinear(x4)]
+    steps = [lambda linear=linear: (linear(x1), linear(x4)) for linear in linears]
+    steps.append(lambda: delta_rule_rows(np.zeros((1, 4, 4), np.float32), *(np.zeros((1, 1, 4), np.float32),) * 3,
+                                         np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32),
+                                         np.zeros((1, 1, 4, 4), np.float32), np.zeros((1, 1, 4), np.float32)))
+    for done, step in enumerate(steps, 1):
+        step()
+        if report:
+            report(done, len(steps))
 
 
 def make_linear(weight, route: str):

@@ -15,7 +15,7 @@ from duet.app.session import (
 )
 from duet.app.settings import Config
 from duet.app.store import Store
-from duet.engine import Accept, Draft, DuetError, GenerateOptions, KVCache, Route, load_model
+from duet.engine import Accept, Draft, DuetError, GenerateOptions, KVCache, LoadProgress, Route, load_model
 
 
 @pytest.fixture(scope="module")
@@ -157,10 +157,16 @@ def test_headless_flags_and_the_config_give_the_same_options_for_the_same_settin
 def test_the_host_loads_with_progress_and_holds_budget_route_and_switches(store, tmp_path_factory):
     folder = save_reference(build_reference("qwen3_5_text"), tmp_path_factory.mktemp("host") / "tiny")
     host = EngineHost(Launch(folder, choices=EngineChoices(draft=Draft.NONE)))
-    shares: list[float] = []
-    lm = host.load(folder, Route.AUTO, shares.append)
+    reports: list[tuple[float, str]] = []
+    lm = host.load(folder, Route.AUTO, lambda share, stage: reports.append((share, stage)))
     assert host.lm is None  # loaded in a worker; the UI's thread makes it current
-    assert shares == sorted(shares) and shares[-1] == 1.0 and len(shares) <= 1 / LOAD_PROGRESS_STEP + 1
+    # The bytes of weights read, then the CPU kernels compiled or loaded from the cache: each stage's
+    # shares rise to 1.0, no more often than every LOAD_PROGRESS_STEP.
+    order = [LoadProgress.WEIGHTS, LoadProgress.KERNELS]
+    assert [stage for _, stage in reports] == sorted((stage for _, stage in reports), key=order.index)
+    for stage in (LoadProgress.WEIGHTS, LoadProgress.KERNELS):
+        shares = [share for share, at in reports if at == stage]
+        assert shares == sorted(shares) and shares[-1] == 1.0 and len(shares) <= 1 / LOAD_PROGRESS_STEP + 1
     host.use(lm)
     assert host.budget == lm.config.max_position_embeddings
     assert host.routes() == ("bf16",) and not host.switch_route("bf16")  # the route it runs already

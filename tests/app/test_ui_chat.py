@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 from pilot_wait import record_notices, wait_for
@@ -89,6 +90,31 @@ async def test_loading_shows_the_model_and_empty_readouts(make_app):
         assert "tiny" in str(screen.query_one("#model-name", Label).render())
         figures = str(screen.query_one("#figures").render())
         assert "decode" in figures and "acceptance" in figures and "—" in figures
+
+
+async def test_loading_says_when_it_prepares_the_cpu_kernels(make_app, monkeypatch):
+    """After the weights, a load compiles the CPU kernels (a machine's first run) or loads them from the
+    cache; while that runs the header says so in words."""
+    from duet.engine.backend import compiled
+
+    release = threading.Event()
+    real = compiled.compile_kernels
+
+    def first_run(report=None):
+        report(1, 5)
+        release.wait(10)
+        real(report)
+
+    monkeypatch.setattr(compiled, "compile_kernels", first_run)
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        screen = chat(app)
+        name = screen.query_one("#model-name", Label)
+        await wait_for(pilot, lambda: "preparing CPU kernels" in str(name.render()))
+        assert screen.query_one("#loading").display
+        release.set()
+        await loaded(pilot)
+        assert "tiny" in str(name.render()) and not screen.query_one("#loading").display
 
 
 async def test_a_model_that_fails_to_load_is_one_notification(make_app, tmp_path):

@@ -203,3 +203,22 @@ def test_a_repacked_gguf_matrix_lets_go_of_its_file_pages(tmp_path):
     x = activations(2, 16384, seed=3)
     np.testing.assert_array_equal(linear(x), compiled.make_linear(weight, "w4a8")(x))
     assert np.array_equal(mapped[np.array([0, 2047])], weight[np.array([0, 2047])])  # read again from the file
+
+
+def test_compile_kernels_reports_each_and_covers_what_models_pass():
+    """compile_kernels (run by load_model) reports every kernel, and prepares each for exactly the
+    argument types the models then pass: running a float, an INT4 (both routes) and a GGUF model
+    compiles nothing more (numba would otherwise compile a second signature on the first token)."""
+    from duet.engine import GenerateOptions, generate, load_model
+
+    reports = []
+    compiled.compile_kernels(lambda done, total: reports.append((done, total)))
+    assert reports == [(i, len(reports)) for i in range(1, len(reports) + 1)] and len(reports) >= 5
+    models = Path(__file__).parents[2] / "models"
+    for path in (models / "demo", models / "demo_int4", models / "demo_gguf" / "demo-q8_0.gguf"):
+        lm = load_model(path)
+        for route in lm.routes:
+            lm.use_route(route)
+            list(generate(lm, [5, 6, 7, 8] * 5, GenerateOptions(max_tokens=4)))
+    kernels = [compiled._w4a8_nibbles, compiled._w4a8_bytes, compiled._w4a16_nibbles, compiled._dense, compiled.delta_rule_rows]
+    assert [len(kernel.signatures) for kernel in kernels] == [1] * len(kernels)

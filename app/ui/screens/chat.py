@@ -28,7 +28,7 @@ from duet.app.ui.screens.models import ModelsScreen
 from duet.app.ui.widgets.conversation_list import ConversationItem, ConversationList
 from duet.app.ui.widgets.message_view import MessageView
 from duet.app.ui.widgets.readouts import ContextMeter, Readouts, SwitchPanel
-from duet.engine import Accept, DuetError, LoadedModel, Route
+from duet.engine import Accept, DuetError, LoadedModel, LoadProgress, Route
 
 QUIT_WAIT_SECONDS = 5.0  # on quit, how long to wait for a stopped reply to be saved
 
@@ -58,9 +58,9 @@ class ChatScreen(Screen):
             self.error = error
 
     class LoadProgressed(Message):
-        def __init__(self, share: float):
+        def __init__(self, share: float, stage: str):
             super().__init__()
-            self.share = share
+            self.share, self.stage = share, stage
 
     class ModelLoaded(Message):
         def __init__(self, lm: LoadedModel, load: Worker):
@@ -123,7 +123,7 @@ class ChatScreen(Screen):
     def load_model_in_background(self, path: Path, route: Route) -> None:
         load = get_current_worker()
         try:
-            lm = self.host.load(path, route, lambda share: self.post_message(self.LoadProgressed(share)))
+            lm = self.host.load(path, route, lambda share, stage: self.post_message(self.LoadProgressed(share, stage)))
         except DuetError as error:
             self.post_message(self.LoadFailed(str(error), load))
             return
@@ -131,6 +131,8 @@ class ChatScreen(Screen):
 
     def on_chat_screen_load_progressed(self, message: LoadProgressed) -> None:
         self.query_one("#loading", ProgressBar).update(progress=message.share)
+        if message.stage == LoadProgress.KERNELS and message.share < 1:
+            self.query_one("#model-name", Label).update("preparing CPU kernels (a first run compiles them)…")
 
     def on_chat_screen_load_failed(self, message: LoadFailed) -> None:
         if message.load is not self.loading:  # a later choice of model superseded this one
