@@ -40,6 +40,7 @@ from duet.engine.backend import MAX_ROWS, cpu
 from duet.engine.backend.threads import in_parallel
 from duet.engine.quant.activation import ACT_BLOCK, quantize_int8_blocks, round_to_bf16
 from duet.engine.quant.gguf_blocks import BlockMatrix
+from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations
 from duet.engine.quant.w4 import GROUP, W4Weight
 
 CACHE_DIR = Path(platformdirs.user_cache_dir("duet")) / "numba"
@@ -390,14 +391,14 @@ def rows_per_group(units: int) -> int:
     return max(1, min(MAX_GROUP, -(-MIN_LANES // units)))
 
 
-def repack(weight: W4Weight | BlockMatrix, unit: int) -> UnitPlanes:
+def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int) -> UnitPlanes:
     """Lay a matrix's levels out by units of `unit` inputs, R rows side by side, a chunk of rows at a
     time split between the cores. Two levels a byte where every level fits a nibble (W4, Q4_0)."""
     N, K = weight.shape
     U = K // unit
     R = rows_per_group(U)
     G = -(-N // R)
-    nibbles = isinstance(weight, W4Weight) or weight.qtype.name == "Q4_0"
+    nibbles = isinstance(weight, W4Weight) or (isinstance(weight, BlockMatrix) and weight.qtype.name == "Q4_0")
     positions = unit // 2 if nibbles else unit
     codes = np.empty((G, positions, R * U), np.uint8 if nibbles else np.int8)
     scale = np.empty((G, R * U), np.float32)
@@ -450,13 +451,18 @@ def _drop_mapped_pages(array: np.ndarray) -> None:
         mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
-def _units(weight: W4Weight | BlockMatrix, start: int, stop: int, unit: int, nibbles: bool):
+def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int, unit: int, nibbles: bool):
     """Rows start..stop as (codes [r, positions, U], scale [r, U], minimum [r, U] or None).
 
     Q4_0 and Q8_0 blocks are already one unit of 32 each, with the codes in the order the kernels
     read (Q4_0: byte j holds positions j and j + 16 as nibble + 8), so they are transposed, not
-    decoded; every other form goes through its codec (engine/quant)."""
+    decoded; every other form goes through its codec (engine/quant). Trellis levels come decoded to
+    int8 (the route applies the row scale after the sum, so their unit scales are 1)."""
     rows = stop - start
+    if isinstance(weight, TrellisWeight):
+        levels, _ = weight.decode_rows(start, stop)  # [r, K/128, 128], rotated basis
+        by_unit = levels.astype(np.int8).transpose(0, 2, 1)
+        return by_unit, np.ones((rows, by_unit.shape[2]), np.float32), None
     if isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0") and unit == 32:
         blocks = weight.raw[start:stop].reshape(rows, -1, weight.codec.type_size)  # [r, U, 2 + payload]
         scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0].astype(np.float32)
@@ -537,6 +543,33 @@ class W4A8Linear(TiledLinear):
             _w4a8_bytes(p.codes, p.scale, p.minimum, q, x_scale, x_sum, out, lo, hi)
 
 
+class TrellisLinear(TiledLinear):
+    """`w4a8` on trellis weights, as cpu.TrellisLinear: activations rotated by the weight's Hadamard and
+    quantized per 128-block; y[n] = row_scale[n] * sum over blocks, in order, of act_scale[b] * dot_b.
+    The levels are decoded once at load into int8 planes: 8 bits a weight held for the file's 2-4, the
+    price of not running the trellis decoder at every product (the numpy Linear does, a whole
+    matrix's worth of it per call); a decoder inside the kernel is the next step."""
+
+    route = "w4a8"
+
+    def __init__(self, weight: TrellisWeight):
+        self.weight = weight  # the coded form (a few bits a weight), as the numpy Linear keeps it
+        self.seed, self.row_scale = weight.seed, weight.row_scale.astype(np.float32)
+        self.planes = repack(weight, GROUP)
+
+    def prepare(self, x: np.ndarray):
+        q, act_scale = rotated_int8_activations(x, self.seed)  # [T, B, 128], [T, B]
+        act_scale = np.ascontiguousarray(act_scale, dtype=np.float32)
+        return self.by_lanes(q.reshape(x.shape[0], -1), np.int16), act_scale
+
+    def kernel(self, prepared, out: np.ndarray, lo: int, hi: int) -> None:
+        q, act_scale = prepared
+        p = self.planes
+        _w4a8_bytes(p.codes, p.scale, p.minimum, q, act_scale, act_scale, out, lo, hi)
+        rows = slice(lo * p.group, min(hi * p.group, p.rows))
+        out[:, rows] *= self.row_scale[rows]
+
+
 class W4A16Linear(TiledLinear):
     """`w4a16` on W4: bf16-rounded activations, an fp32 sum per 128-group, scaled, as
     cpu.W4A16Linear; sums in position then group order (_w4a16_nibbles)."""
@@ -607,7 +640,7 @@ class _Compiled:
     DenseLinear = DenseLinear
     W4A16Linear = W4A16Linear
     W4A8Linear = W4A8Linear
-    TrellisLinear = cpu.TrellisLinear  # no kernel yet: an int8 repack would hold 2-4x the coded bytes
+    TrellisLinear = TrellisLinear
     PermutedInput = cpu.PermutedInput
 
 

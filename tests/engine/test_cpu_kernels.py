@@ -1,7 +1,7 @@
 """The compiled CPU kernels (engine/backend/compiled.py) against references they do not share code with.
 
 Expected values: a float64 product of the weights as gguf.quants.dequantize (GGUF blocks), the W4
-layout's definition (nibble - 8 times the bf16 scale) give them,
+layout's definition (nibble - 8 times the bf16 scale) or the trellis level function give them,
 against the route's activations (int8 levels times their scale, or bf16-rounded values). The
 kernels sum in their own order, so each result must lie within the fp32 summation bound of its
 terms: |y - y64| <= n * 2^-24 * sum |terms| (n terms, each rounding at most once more per add;
@@ -23,6 +23,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from duet.engine.backend import compiled, cpu
+from duet.engine.quant import trellis as T
 from duet.engine.quant.activation import quantize_int8_blocks, round_to_bf16
 from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.w4 import W4Weight, unpack_levels
@@ -107,6 +108,41 @@ def test_w4_within_the_sum_bound_of_the_layout_definition(route, rows):
     assert_within_sum_bound(linear(x), w4_reference(weight), x64, terms=768)
 
 
+def random_trellis(N: int, K: int, k: int, seed: int) -> T.TrellisWeight:
+    """Any bit stream is a valid trellis code: random tiles, random row scales."""
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, (N // 16 * K // 8, 128 * k // 8), dtype=np.uint8)
+    return T.TrellisWeight(packed, rng.uniform(0.001, 0.01, N).astype(np.float32), (N, K), k, seed)
+
+
+def trellis_reference(weight: T.TrellisWeight) -> np.ndarray:
+    """float64 [N, K] in the rotated basis: each weight's level from its 16-bit window of the tile's bit
+    stream, read here bit by bit (MSB first, circular), through the 1MAD level function; times the row scale."""
+    k, tiles = weight.k, weight.packed
+    bits = np.unpackbits(tiles, axis=1)  # [tiles, 128 k]
+    length = bits.shape[1]
+    states = np.zeros((len(tiles), 128), np.int64)
+    for t in range(128):
+        for b in range((t + 1) * k - 16, (t + 1) * k):
+            states[:, t] = states[:, t] * 2 + bits[:, b % length]
+    x = (states * T.MULTIPLIERS[k]) % 2**32
+    levels = (((x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24) + 2) >> 2) - 128
+    N, K = weight.shape
+    levels = levels.reshape(N // 16, K // 8, 16, 8).transpose(0, 2, 1, 3).reshape(N, K)  # tiles of 16 x 8
+    return levels * weight.row_scale[:, None].astype(np.float64)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_trellis_within_the_sum_bound_of_the_level_function(k):
+    weight = random_trellis(32, 256, k, seed=k)
+    x = activations(5, 256, seed=k)
+    q, scale = T.rotated_int8_activations(x, weight.seed)  # the route's activations, in the rotated basis
+    x64 = (q.astype(np.float64) * scale[..., None]).reshape(x.shape)
+    linear = compiled.make_linear(weight, "w4a8")
+    assert type(linear) is compiled.TrellisLinear
+    assert_within_sum_bound(linear(x), trellis_reference(weight), x64, terms=256)
+
+
 def test_one_unit_equals_numpy_bit_for_bit():
     """K = 32: one integer dot, one rescale, nothing summed in another order."""
     for weight in (random_blocks(Q.Q8_0, 16, 32, 1), random_blocks(Q.Q4_0, 16, 32, 2), random_blocks(Q.IQ4_XS, 16, 256, 3)):
@@ -122,8 +158,9 @@ def test_one_unit_equals_numpy_bit_for_bit():
     lambda: (random_blocks(Q.Q6_K, 64, 1024, 10), "w4a8"),
     lambda: (random_w4(64, 1024, 11), "w4a16"),
     lambda: (random_w4(64, 1024, 12), "w4a8"),
+    lambda: (random_trellis(64, 1024, 3, 13), "w4a8"),
     lambda: (np.random.default_rng(14).standard_normal((64, 1000)).astype(np.float32), "bf16"),
-], ids=["q4_0", "q8_0", "q4_k", "q6_k", "w4a16", "w4a8", "dense"])
+], ids=["q4_0", "q8_0", "q4_k", "q6_k", "w4a16", "w4a8", "trellis", "dense"])
 def test_a_token_row_has_the_same_bits_alone_and_among_others(make):
     weight, route = make()
     linear = compiled.make_linear(weight, route)
