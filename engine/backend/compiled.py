@@ -484,6 +484,8 @@ def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int
 
 
 class TiledLinear(cpu.Linear):
+    """What the quantized compiled Linears share: their UnitPlanes and the call in tiles of token rows."""
+
     planes: UnitPlanes
 
     @property

@@ -7,19 +7,22 @@ import json
 import pytest
 
 from conftest import build_reference, save_reference
-from duet.engine import CheckpointError, load_model
+from duet.engine import CheckpointError, LoadProgress, load_model
 from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
 from duet.engine.config import ModelConfig
 
 
 def test_progress_counts_exactly_the_text_model_bytes(tmp_path):
     save_reference(build_reference("qwen3_5", seed=1), tmp_path)
-    events = []
-    lm = load_model(tmp_path, progress=events.append)
+    reported = []
+    lm = load_model(tmp_path, progress=reported.append)
     ckpt = SafetensorsCheckpoint(tmp_path)
     text_bytes = sum(ckpt.info(n).nbytes for n in ckpt.names() if not n.startswith("model.visual."))
+    events = [e for e in reported if e.stage == LoadProgress.WEIGHTS]
     assert [e.done_bytes for e in events] == sorted(e.done_bytes for e in events)
     assert events[-1].done_bytes == events[-1].total_bytes == text_bytes
+    kernels = reported[len(events):]  # then the CPU kernels, counted one by one
+    assert {e.stage for e in kernels} == {LoadProgress.KERNELS} and kernels[-1].done_bytes == kernels[-1].total_bytes
     assert lm.config.model_type == "qwen3_5_text"  # the nested text config wins
 
 
