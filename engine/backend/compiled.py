@@ -416,12 +416,20 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int) -> UnitPla
         grouped = values.reshape((rows + pad) // R, R, *values.shape[1:-1], U)
         return np.moveaxis(grouped, 1, -1).reshape((rows + pad) // R, *values.shape[1:-1], U * R)
 
+    as_stored = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0") and unit == 32
+
     def chunks(lo: int, hi: int) -> None:
         for start in range(lo * step, min(N, hi * step), step):
             stop = min(N, start + step)
-            by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)
             first, last = start // R, -(-stop // R)
-            codes[first:last] = lanes(by_unit)
+            if as_stored:  # each block is one unit already: its bytes move, nothing is decoded
+                _blocks_to_lanes(weight.raw, codes.view(np.uint8), first, last, R, 0x88 if nibbles else 0)
+                blocks = weight.raw[start:stop].reshape(stop - start, U, -1)  # [r, U, 2 + payload]
+                unit_scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0].astype(np.float32)
+                unit_minimum = None
+            else:
+                by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)
+                codes[first:last] = lanes(by_unit)
             scale[first:last] = lanes(unit_scale)
             if has_minimum:
                 minimum[first:last] = lanes(unit_minimum)
@@ -430,6 +438,24 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int) -> UnitPla
 
     in_parallel(chunks, -(-N // step))
     return UnitPlanes(codes, scale, minimum, N, R, unit, nibbles)
+
+
+@_jit()
+def _blocks_to_lanes(raw, codes, first, last, R, fill):
+    """Q4_0 / Q8_0 blocks [N, U * block bytes] -> codes of groups [first, last) ([G, payload, U * R]).
+
+    A block is one unit of 32 with its codes in the order the kernels read (Q4_0: byte j holds
+    positions j and j + 16 as nibble + 8; Q8_0: byte j is position j), after 2 bytes of f16 scale:
+    byte j of row g * R + r's block v goes to codes[g, j, v * R + r]. Rows past N get `fill`."""
+    N, payload = raw.shape[0], codes.shape[1]
+    U = codes.shape[2] // R
+    block = raw.shape[1] // U  # bytes: 2 of scale + payload
+    for g in range(first, last):
+        for r in range(R):
+            n = g * R + r
+            for v in range(U):
+                for j in range(payload):
+                    codes[g, j, v * R + r] = raw[n, v * block + 2 + j] if n < N else fill
 
 
 def _drop_mapped_pages(array: np.ndarray) -> None:
@@ -452,22 +478,14 @@ def _drop_mapped_pages(array: np.ndarray) -> None:
 
 
 def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int, unit: int, nibbles: bool):
-    """Rows start..stop as (codes [r, positions, U], scale [r, U], minimum [r, U] or None).
-
-    Q4_0 and Q8_0 blocks are already one unit of 32 each, with the codes in the order the kernels
-    read (Q4_0: byte j holds positions j and j + 16 as nibble + 8), so they are transposed, not
-    decoded; every other form goes through its codec (engine/quant). Trellis levels come decoded to
-    int8 (the route applies the row scale after the sum, so their unit scales are 1)."""
+    """Rows start..stop as (codes [r, positions, U], scale [r, U], minimum [r, U] or None), through
+    the form's codec (engine/quant). Trellis levels come decoded to int8 (the route applies the row
+    scale after the sum, so their unit scales are 1)."""
     rows = stop - start
     if isinstance(weight, TrellisWeight):
         levels, _ = weight.decode_rows(start, stop)  # [r, K/128, 128], rotated basis
         by_unit = levels.astype(np.int8).transpose(0, 2, 1)
         return by_unit, np.ones((rows, by_unit.shape[2]), np.float32), None
-    if isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0") and unit == 32:
-        blocks = weight.raw[start:stop].reshape(rows, -1, weight.codec.type_size)  # [r, U, 2 + payload]
-        scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0].astype(np.float32)
-        payload = blocks[:, :, 2:].transpose(0, 2, 1)  # [r, positions, U]
-        return (payload if nibbles else payload.view(np.int8)), scale, None
     levels, sub_scale, sub_minimum = weight.decode_rows(start, stop)  # [r, S, sub], [r, S]
     per_sub = levels.shape[2] // unit  # units one scale covers
     by_unit = levels.reshape(rows, -1, unit).transpose(0, 2, 1)  # [r, unit, U]
