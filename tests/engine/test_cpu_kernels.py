@@ -143,6 +143,25 @@ def test_trellis_within_the_sum_bound_of_the_level_function(k):
     assert_within_sum_bound(linear(x), trellis_reference(weight), x64, terms=256)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_activations_are_the_routes_int8_levels_bit_for_bit(qtype):
+    """The kernels' fused quantization gives quantize_int8_blocks' levels, scales and unit sums exactly:
+    halves that round to even, an all-zero block (scale 0, levels 0), a block whose absmax is negative."""
+    linear = compiled.make_linear(random_blocks(qtype, 16, 256, seed=1), "w4a8")
+    x = activations(3, 256, seed=2)
+    x[0, :32] = 0.0
+    x[1, 32:64] = np.arange(32, dtype=np.float32) - 15.5  # halves, and
+    x[1, 32] = 127.0  # absmax 127: scale exactly 1, so each half is a tie to round to even
+    x[2, 64:96] *= -100
+    q, x_scale, x_sum = linear.prepare(x)
+    levels, scale = quantize_int8_blocks(x)  # [T, K/32, 32], [T, K/32]
+    unit, p = linear.planes.unit, linear.planes
+    by_unit = levels.reshape(3, -1, unit)  # [T, U, unit]
+    assert np.array_equal(q, np.repeat(by_unit.transpose(0, 2, 1), p.group, axis=2).astype(np.int16))
+    assert np.array_equal(x_scale.view(np.uint32), np.repeat(scale, 32 // unit, axis=1).view(np.uint32))
+    assert np.array_equal(x_sum, by_unit.sum(axis=-1))
+
+
 def test_one_unit_equals_numpy_bit_for_bit():
     """K = 32: one integer dot, one rescale, nothing summed in another order."""
     for weight in (random_blocks(Q.Q8_0, 16, 32, 1), random_blocks(Q.Q4_0, 16, 32, 2), random_blocks(Q.IQ4_XS, 16, 256, 3)):
