@@ -78,51 +78,6 @@ def _jit(fastmath: bool = False):
 
 
 # ---------------------------------------------------------------------------------------------
-# Prefetch. Streaming from RAM, the kernels ran at 5.1 GB/s on two cores over 459 MB of Q4_0,
-# against 9.6 GB/s only reading the codes and 11.9 GB/s computing on codes in cache. Asking for the
-# lines of a group a few groups ahead (LLVM's prefetch intrinsic, which numba does not expose) took
-# that to 5.4 GB/s (4 groups ahead; 1: 5.5, 12: 5.2, 32: 4.8): most of the gap is elsewhere.
-
-PREFETCH_AHEAD = 4  # groups: 8-16 KB ahead of the loads
-CACHE_LINE = 64
-
-
-def _intrinsic(f):
-    return _numba.extending.intrinsic(f) if _numba else f
-
-
-@_intrinsic
-def _prefetch_line(typingctx, array, row, offset):
-    """Prefetch (read, keep in all levels) the cache line at byte `offset` of array[row] (C order)."""
-    from llvmlite import ir
-    from numba.core import cgutils, types
-
-    def codegen(context, builder, signature, args):
-        array_type = signature.args[0]
-        data = context.make_array(array_type)(context, builder, args[0])
-        zero = context.get_constant(types.intp, 0)
-        start = cgutils.get_item_pointer(context, builder, array_type, data, [args[1]] + [zero] * (array_type.ndim - 1))
-        byte_pointer = ir.IntType(8).as_pointer()
-        line = builder.gep(builder.bitcast(start, byte_pointer), [args[2]])
-        i32 = ir.IntType(32)
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32]), "llvm.prefetch.p0")
-        builder.call(prefetch, [line, i32(0), i32(3), i32(1)])  # read, locality 3, data cache
-        return context.get_dummy_value()
-
-    return types.void(array, row, offset), codegen
-
-
-@_jit()
-def _prefetch_group(array, g):
-    """Prefetch array[g + PREFETCH_AHEAD] (every line of it) when there is such a row."""
-    ahead = g + PREFETCH_AHEAD
-    if ahead < array.shape[0]:
-        for offset in range(0, array[0].nbytes, CACHE_LINE):
-            _prefetch_line(array, ahead, offset)
-
-
-# ---------------------------------------------------------------------------------------------
 # Kernels. Shapes: N weight rows in G groups of R rows; U units a row, L = U * R lanes a group
 # (lane v * R + r is unit v of the group's row r); T <= 16 token rows, x repeated R times along the
 # lanes; [lo, hi) is this thread's share of groups; out [T, N] fp32. Putting R rows side by side
@@ -195,8 +150,6 @@ def _w4a8_nibbles(codes, scale, x, x_scale, out, lo, hi):
     four, one = np.empty((4, L), np.int16), np.empty((1, L), np.int16)
     acc = np.empty(R, np.float32)
     for g in range(lo, hi):
-        _prefetch_group(codes, g)
-        _prefetch_group(scale, g)
         if T == 1:  # straight from the codes: a decode step reads each code once
             dots[:] = 0
             for j in range(half):
@@ -229,8 +182,6 @@ def _w4a8_bytes(codes, scale, minimum, x, x_scale, x_sum, out, lo, hi):
     four, one = np.empty((4, L), np.int32), np.empty((1, L), np.int32)
     acc = np.empty(R, np.float32)
     for g in range(lo, hi):
-        _prefetch_group(codes, g)
-        _prefetch_group(scale, g)
         if T == 1:  # straight from the codes: a decode step reads each code once
             dots[:] = 0
             for j in range(unit):
@@ -263,8 +214,6 @@ def _w4a16_nibbles(codes, scale, x, units, out, lo, hi):
     sums = np.empty(L, np.float32)
     acc = np.empty(R, np.float32)
     for g in range(lo, hi):
-        _prefetch_group(codes, g)
-        _prefetch_group(scale, g)
         for j in range(half):
             for lane in range(L):
                 byte = np.int32(codes[g, j, lane])
@@ -281,9 +230,6 @@ def _w4a16_nibbles(codes, scale, x, units, out, lo, hi):
                     acc[r] += sums[v * R + r] * scale[g, v * R + r]
             for r in range(min(R, out.shape[1] - g * R)):
                 out[t, g * R + r] = acc[r]
-
-
-DENSE_GROUP = 4  # weight rows a dense dot loop serves at once: each load of x feeds four products
 
 
 @_jit()
@@ -313,6 +259,9 @@ def _int8_lanes(x, unit, R, q, x_scale, x_sum):
                     for r in range(R):
                         q[t, j, u * R + r] = np.int16(level)
                 x_sum[t, u] = total
+
+
+DENSE_GROUP = 4  # weight rows a dense dot loop serves at once: each load of x feeds four products
 
 
 @_jit(fastmath=True)
