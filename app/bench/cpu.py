@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from duet.app.bench.common import positive_int, random_prompt
-from duet.engine import Accept, Draft, Finished, GenerateOptions, generate, load_model
+from duet.app.bench.spec import finished_stats
+from duet.engine import Accept, Draft, GenerateOptions, load_model
 from duet.engine.backend import compiled
 from duet.engine.errors import DuetError
 
@@ -79,9 +80,7 @@ def ours(model: Path, prompt_tokens: int, tokens: int) -> dict:
 
 
 def run_stats(lm, prompt: list[int], tokens: int, drafter: str):
-    events = list(generate(lm, prompt, GenerateOptions(max_tokens=tokens, draft=drafter, accept=Accept.EXACT)))
-    assert isinstance(events[-1], Finished)
-    return events[-1].stats
+    return finished_stats(lm, prompt, GenerateOptions(max_tokens=tokens, draft=drafter, accept=Accept.EXACT))
 
 
 def resident_bytes() -> int:

@@ -39,7 +39,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from duet.engine.backend import MAX_ROWS, cpu
 from duet.engine.backend.threads import in_parallel
 from duet.engine.quant.activation import ACT_BLOCK, INT8_MAX, round_to_bf16
-from duet.engine.quant.gguf_blocks import BlockMatrix
+from duet.engine.quant.gguf_blocks import BlockMatrix, f16_field
 from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations
 from duet.engine.quant.w4 import GROUP, W4Weight
 
@@ -403,7 +403,7 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int) -> UnitPla
             if as_stored:  # each block is one unit already: its bytes move, nothing is decoded
                 _blocks_to_lanes(weight.raw, codes.view(np.uint8), first, last, R, 0x88 if nibbles else 0)
                 blocks = weight.raw[start:stop].reshape(stop - start, U, -1)  # [r, U, 2 + payload]
-                unit_scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[..., 0].astype(np.float32)
+                unit_scale = f16_field(blocks[:, :, :2])[..., 0]
                 unit_minimum = None
             else:
                 by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)

@@ -229,9 +229,7 @@ def _value(stream, vtype: int, source: str, arrays: bool = False):
     if item_type in GGUF_SCALARS:  # one read (checked against the file's size first), decoded at once
         fmt = GGUF_SCALARS[item_type]
         return np.frombuffer(stream.read(count * struct.calcsize(fmt)), fmt).tolist()
-    if item_type == GGUF_STRING:
-        return [_string(stream, source) for _ in range(count)]
-    return [_value(stream, item_type, source) for _ in range(count)]
+    return [_string(stream, source) for _ in range(count)]  # the one other item type allowed above
 
 
 def _skip_items(stream, item_type: int, count: int, source: str) -> None:

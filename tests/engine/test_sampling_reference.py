@@ -26,7 +26,7 @@ from transformers.generation.logits_process import (
 
 from duet.engine.errors import DuetError
 from duet.engine.sampling import Sampler, SamplingParams, probabilities, process_logits, process_rows
-from test_sampling import one_torch_thread  # noqa: F401 (an autouse fixture: one torch thread)
+from test_sampling import one_torch_thread, transformers_processed  # noqa: F401 (an autouse fixture: one torch thread)
 
 VOCAB = 41
 
@@ -202,8 +202,8 @@ def test_top_p_after_top_k_as_transformers_on_a_large_vocabulary(vocab):
     rng = np.random.default_rng(vocab)
     logits = (rng.standard_normal(vocab) * 3).astype(np.float32)
     for top_k, top_p in ((20, 0.95), (5, 0.5), (64, 0.999)):
-        processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)])
-        want = processors(torch.tensor([[0]]), torch.from_numpy(logits[None].copy()))[0].numpy()
-        got = process_logits(logits, SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p), [])
+        params = SamplingParams(temperature=0.7, top_k=top_k, top_p=top_p)
+        want = transformers_processed(logits[None], params, [0])[0]
+        got = process_logits(logits, params, [])
         assert np.array_equal(np.isfinite(got), np.isfinite(want)), (top_k, top_p)
         np.testing.assert_array_equal(got[np.isfinite(got)], want[np.isfinite(want)])
