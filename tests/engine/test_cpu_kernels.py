@@ -28,11 +28,15 @@ from duet.engine.quant.activation import quantize_int8_blocks, round_to_bf16
 from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.w4 import W4Weight, unpack_levels
 
-pytestmark = pytest.mark.skipif(compiled.unavailable() is not None, reason=str(compiled.unavailable()))
-
 GGUF_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
 F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}
 U = 2.0**-24  # unit roundoff of fp32
+
+
+@pytest.fixture(autouse=True)
+def compiled_kernels(monkeypatch):
+    """These tests are of the compiled kernels (numba is a dependency), whatever DUET_CPU_KERNELS says outside."""
+    monkeypatch.delenv(compiled.KERNELS_ENV, raising=False)
 
 
 def random_blocks(qtype: Q, N: int, K: int, seed: int) -> BlockMatrix:
@@ -242,7 +246,6 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * mmap.PAGESIZE
 
 
-@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads resident memory from Linux's /proc")
 def test_a_repacked_gguf_matrix_lets_go_of_its_file_pages(tmp_path):
     """After the repack, the planes hold the weights; the file's pages leave the resident set (they were
     held twice, 1.40 -> 1.13 GiB peak for the 0.8B Q4_0 file) and the blocks still read back right."""
