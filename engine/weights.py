@@ -12,6 +12,7 @@ backend, which turns each into a Linear of the chosen route. Nothing here comput
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,25 @@ def row_runs(parts: list) -> list:
     return [stack_rows(run) for run in runs]
 
 
+def release_file_pages(array: np.ndarray) -> None:
+    """Let go of the file pages behind a memory-mapped array once its values have been copied.
+
+    The pages stay in the OS's page cache (a later read, such as an embedding lookup or a switch to
+    the bf16 route, maps them again), but no longer count in this process's resident memory: the
+    0.8B Q4_0 file was held twice after loading, as its blocks and as what was made from them.
+    Arrays not backed by a file mapping are left alone; only whole pages inside the array go."""
+    mapped = array
+    while mapped is not None and not isinstance(mapped, mmap.mmap):
+        mapped = getattr(mapped, "base", None)
+    if mapped is None or not array.size:
+        return
+    base = np.frombuffer(mapped, np.uint8).ctypes.data
+    offset = array.ctypes.data - base
+    first, last = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, (offset + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
 def same_storage(a, b) -> bool:
     """Whether b can join a in one stored matrix (same form, same block layout along K)."""
     if isinstance(a, (np.ndarray, W4Weight)):
@@ -84,11 +104,18 @@ def stack_rows(run: list):
         # Tiles are stored row band by row band (trellis.to_tiles), so stacking rows concatenates tiles.
         return TrellisWeight(np.concatenate([p.packed for p in run]), np.concatenate([p.row_scale for p in run]),
                              (sum(p.shape[0] for p in run), first.shape[1]), first.k, first.seed)
-    return BlockMatrix(first.qtype, np.concatenate([p.raw for p in run]), first.K)
+    stacked = BlockMatrix(first.qtype, np.concatenate([p.raw for p in run]), first.K)
+    for part in run:  # the copy is what the model keeps (gate | up, q | k | v | z ...)
+        release_file_pages(part.raw)
+    return stacked
 
 
 def take_rows(matrix, rows: np.ndarray | slice):
     """Some rows of a stored matrix: a view for float weights and slices, a copy of the rows' blocks else."""
     if isinstance(matrix, np.ndarray):
         return matrix[rows]
-    return matrix.take_rows(np.arange(matrix.shape[0])[rows])
+    index = np.arange(matrix.shape[0])[rows]
+    taken = matrix.take_rows(index)
+    if isinstance(matrix, BlockMatrix) and index.size:  # the copy is what the model keeps
+        release_file_pages(matrix.raw[index.min() : index.max() + 1])
+    return taken

@@ -26,10 +26,10 @@ why in one line.
 
 from __future__ import annotations
 
-import mmap
+import copy
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,7 @@ from duet.engine.quant.activation import ACT_BLOCK, INT8_MAX, round_to_bf16
 from duet.engine.quant.gguf_blocks import BlockMatrix, f16_field
 from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations
 from duet.engine.quant.w4 import GROUP, W4Weight
+from duet.engine.weights import release_file_pages
 
 CACHE_DIR = Path(platformdirs.user_cache_dir("duet")) / "numba"
 KERNELS_ENV = "DUET_CPU_KERNELS"  # "numpy" runs the numpy reference Linears instead
@@ -412,7 +413,7 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int) -> UnitPla
             if has_minimum:
                 minimum[first:last] = lanes(unit_minimum)
             if isinstance(weight, BlockMatrix):
-                _drop_mapped_pages(weight.raw[start:stop])
+                release_file_pages(weight.raw[start:stop])
 
     in_parallel(chunks, -(-N // step))
     return UnitPlanes(codes, scale, minimum, N, R, unit, nibbles)
@@ -434,25 +435,6 @@ def _blocks_to_lanes(raw, codes, first, last, R, fill):
             for v in range(U):
                 for j in range(payload):
                     codes[g, j, v * R + r] = raw[n, v * block + 2 + j] if n < N else fill
-
-
-def _drop_mapped_pages(array: np.ndarray) -> None:
-    """Let go of the file pages behind a memory-mapped array once it has been repacked.
-
-    The pages stay in the OS's page cache (a later read, such as an embedding lookup or a switch to
-    the bf16 route, maps them again), but no longer count in this process's resident memory: the
-    0.8B Q4_0 file was held twice after loading, as its blocks and as the planes made from them.
-    Arrays not backed by a file mapping are left alone."""
-    mapped = array
-    while mapped is not None and not isinstance(mapped, mmap.mmap):
-        mapped = getattr(mapped, "base", None)
-    if mapped is None or not array.size:
-        return
-    base = np.frombuffer(mapped, np.uint8).ctypes.data
-    offset = array.ctypes.data - base
-    first, last = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, (offset + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if last > first:
-        mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int, unit: int, nibbles: bool):
@@ -503,6 +485,17 @@ class TiledLinear(cpu.Linear):
             in_parallel(lambda lo, hi: self.kernel(prepared, out_rows, lo, hi), groups,
                         split=N * K >= SPLIT_MIN_WEIGHTS, blas=False)
         return out
+
+    def leading_rows(self, stop: int) -> TiledLinear | None:
+        """This Linear over weight rows 0..stop-1 alone, reading the same planes (no copy): the draft
+        shortlist's leading block of the head. None when stop does not end a group of rows."""
+        p = self.planes
+        if stop % p.group or stop > p.rows:
+            return None
+        groups = stop // p.group
+        leading = copy.copy(self)
+        leading.planes = replace(p, codes=p.codes[:groups], scale=p.scale[:groups], minimum=p.minimum[:groups], rows=stop)
+        return leading
 
     def by_lanes(self, values: np.ndarray, dtype) -> np.ndarray:
         """Token rows [T, K] -> [T, unit, U * R]: position-major as the codes, each unit repeated for the R rows."""

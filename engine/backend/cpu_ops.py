@@ -286,7 +286,11 @@ class CpuOps:
 
     def shortlist_part(self, head, matrix, rows: np.ndarray | slice, route: str):
         """A Linear over some rows of the output head's stored matrix (a view where rows is a slice
-        of a float matrix); head is the head assembled from it."""
+        of a float matrix, or of a compiled head's planes); head is the head assembled from it."""
+        if isinstance(rows, slice) and isinstance(head, compiled.TiledLinear):
+            leading = head.leading_rows(rows.stop)
+            if leading is not None:
+                return leading
         return self.linear(take_rows(matrix, rows), route)
 
     def shortlist_head(self, linear, ids: np.ndarray, vocab: int) -> ShortlistHead:
