@@ -90,115 +90,94 @@ def _jit(fastmath: bool = False):
 
 
 @_jit()
-def _rescale(dots, scale, x_scale, acc, out, t, first):
-    """out[t, first + r] = sum over units v, in order, of fp32(dots[v*R + r]) * (scale[v*R + r] * x_scale[v]).
-    The R rows' sums advance together (acc [R]), so the loop over rows is a vector op and each row's
-    sum keeps its order."""
-    R = acc.shape[0]
-    acc[:] = 0
-    for v in range(x_scale.shape[0]):
-        for r in range(R):
-            acc[r] += np.float32(dots[v * R + r]) * (scale[v * R + r] * x_scale[v])
+def _rescale(dots, scale, x_scale, terms, R, out, t, first):
+    """out[t, first + r] = sum over units v of fp32(dots[v*R + r]) * (scale[v*R + r] * x_scale[v*R + r])
+    for the R rows of a group (x_scale per lane: the unit's activation scale, repeated for the R rows).
+
+    Order, fixed by U and R alone (never by T or the thread split): the terms [L] are halved in place
+    while the count of units is even (units v and v + U/2 add, a vector op over all lanes), then
+    the m units left add in unit order. One chain of U dependent adds per row instead took ~165
+    of the ~390 ns a decode step spends on a group of 4 x 1024 Q4_0 weights; this takes ~40."""
+    n = dots.shape[0]
+    for i in range(n):
+        terms[i] = np.float32(dots[i]) * (scale[i] * x_scale[i])
+    while n % (2 * R) == 0:
+        n //= 2
+        for i in range(n):
+            terms[i] += terms[n + i]
     for r in range(min(R, out.shape[1] - first)):
-        out[t, first + r] = acc[r]
+        total = terms[r]
+        for v in range(1, n // R):
+            total += terms[v * R + r]
+        out[t, first + r] = total
 
 
 @_jit()
-def _dots_from_scratch(w, x, t, dots):
-    """dots[i, lane] = sum over positions j of w[j, lane] * x[t + i, j, lane], for the 4 rows
-    t .. t + 3 together (each load of w serves four rows) or for row t alone (dots [1, L]). w int16
-    [positions, L] decoded levels; a product fits int16 (|level * x| <= 128 * 127); the sums take
-    dots' type: int16 where a unit's dot fits it (nibble levels), else int32. (`+=` of an int16 into
-    the array element lets LLVM add at the element's width: 21 against 8 GMAC/s for int16 over int32.)"""
-    dots[:] = 0
-    if dots.shape[0] == 4:
-        for j in range(w.shape[0]):
-            for lane in range(w.shape[1]):
-                level = w[j, lane]
-                dots[0, lane] += np.int16(level * x[t, j, lane])
-                dots[1, lane] += np.int16(level * x[t + 1, j, lane])
-                dots[2, lane] += np.int16(level * x[t + 2, j, lane])
-                dots[3, lane] += np.int16(level * x[t + 3, j, lane])
-    else:
-        for j in range(w.shape[0]):
-            for lane in range(w.shape[1]):
-                dots[0, lane] += np.int16(w[j, lane] * x[t, j, lane])
+def _fold(terms, L):
+    """Sum terms [n] (n a multiple of L) down to terms[:L]: halves add while the count of L-runs
+    is even (one vector loop each), then the runs left add in order. Integer sums are exact in any
+    order; for fp32 the order is fixed by n and L."""
+    n = terms.shape[0]
+    while n > L and (n // L) % 2 == 0:
+        n //= 2
+        for i in range(n):
+            terms[i] += terms[n + i]
+    for run in range(1, n // L):
+        for i in range(L):
+            terms[i] += terms[run * L + i]
 
 
 @_jit()
-def _rows_from_scratch(w, x, scale, x_scale, acc, out, g, R, four, one):
-    """Every token row of x against the decoded group w, four at a time, then one at a time;
-    each row's dots rescaled into out (as _rescale). four [4, L], one [1, L] scratch of the dots' type."""
-    T = x.shape[0]
-    t = 0
-    while t < T:
-        dots = four if t + 4 <= T else one
-        _dots_from_scratch(w, x, t, dots)
-        for i in range(dots.shape[0]):
-            _rescale(dots[i], scale[g], x_scale[t + i], acc, out, t + i, g * R)
-        t += dots.shape[0]
-
-
-@_jit()
-def _w4a8_nibbles(codes, scale, x, x_scale, out, lo, hi):
-    """Levels -8..7, two a byte: codes uint8 [G, unit/2, L], low nibble position j, high nibble
-    position j + unit/2, each stored + 8; x int16 [T, unit, L] (int8 activation levels); scale
-    fp32 [G, L]. A unit's dot is exact in int16: |dot| <= 32 * 8 * 127 = 32512 < 2^15."""
-    T, half, L = x.shape[0], codes.shape[1], codes.shape[2]
-    R = L // x_scale.shape[1]
-    w = np.empty((2 * half, L), np.int16)
-    dots = np.empty(L, np.int16)
-    four, one = np.empty((4, L), np.int16), np.empty((1, L), np.int16)
-    acc = np.empty(R, np.float32)
+def _w4a8_nibbles(codes, scale, x, x_scale, R, out, lo, hi):
+    """Levels -8..7, two a byte: codes uint8 [G, unit/2 * L], byte j * L + lane holding position j
+    (low nibble) and j + unit/2 (high), each + 8; x int16 [T, unit * L] (int8 activation levels,
+    position-major as the codes); scale fp32 [G, L], x_scale fp32 [T, L]. Each byte's two products
+    go into an int16 term, the terms fold to one per lane (_fold), the lane dots rescale
+    (_rescale). Any partial sum of a unit fits int16: |dot| <= 32 * 8 * 127 = 32512 < 2^15.
+    The loops run flat over all unit/2 * L bytes of a group: per-position loops of L = 128 lanes
+    spent more on loop set-up than on products (~500 against ~290 ns a group of 4 x 1024)."""
+    T, n, L = x.shape[0], codes.shape[1], scale.shape[1]
+    terms16, terms = np.empty(n, np.int16), np.empty(L, np.float32)
     for g in range(lo, hi):
-        if T == 1:  # straight from the codes: a decode step reads each code once
-            dots[:] = 0
-            for j in range(half):
-                for lane in range(L):
-                    byte = np.int16(codes[g, j, lane])
-                    dots[lane] = np.int16(dots[lane] + np.int16(np.int16((byte & 15) - 8) * x[0, j, lane])
-                                          + np.int16(np.int16((byte >> 4) - 8) * x[0, j + half, lane]))
-            _rescale(dots, scale[g], x_scale[0], acc, out, 0, g * R)
-            continue
-        for j in range(half):
-            for lane in range(L):
-                byte = np.int16(codes[g, j, lane])
-                w[j, lane] = np.int16((byte & 15) - 8)
-                w[j + half, lane] = np.int16((byte >> 4) - 8)
-        _rows_from_scratch(w, x, scale, x_scale, acc, out, g, R, four, one)
+        c = codes[g]
+        for t in range(T):
+            low, high = x[t, :n], x[t, n:]  # views indexed from 0: numba then needs no negative-index check
+            for i in range(n):
+                byte = np.int16(c[i])
+                terms16[i] = np.int16(np.int16(np.int16((byte & 15) - 8) * low[i]) + np.int16(np.int16((byte >> 4) - 8) * high[i]))
+            _fold(terms16, L)
+            _rescale(terms16[:L], scale[g], x_scale[t], terms, R, out, t, g * R)
 
 
 @_jit()
-def _w4a8_bytes(codes, scale, minimum, x, x_scale, x_sum, out, lo, hi):
-    """Levels in the int8 range, one a byte: codes int8 [G, unit, L]; x int16 [T, unit, L].
+def _w4a8_bytes(codes, scale, minimum, x, x_scale, x_sum, R, out, lo, hi):
+    """Levels in the int8 range, one a byte: codes int8 [G, unit * L]; x int16 [T, unit * L];
+    x_scale fp32 [T, L] as in _rescale, x_sum fp32 [T, U] (each unit's sum of activation levels).
 
     out[t, n] as _rescale, minus, for types with a minimum (minimum fp32 [G, L]; [G, 0] when there
-    is none), sum_v (x_sum[t, v] * x_scale[t, v]) * minimum[n's lane v], in unit order. A product
-    fits int16 (|level * x| <= 128 * 127 = 16256), a unit's dot int32."""
-    T, unit, L = x.shape[0], codes.shape[1], codes.shape[2]
-    U = x_scale.shape[1]
-    R = L // U
-    w = np.empty((unit, L), np.int16)
-    dots = np.empty(L, np.int32)
-    four, one = np.empty((4, L), np.int32), np.empty((1, L), np.int32)
-    acc = np.empty(R, np.float32)
+    is none), sum_v (x_sum[t, v] * x_scale[t, v*R]) * minimum[n's lane v], in unit order. A product
+    fits int16 (|level * x| <= 128 * 127 = 16256), and so does the sum of two; a term holds four
+    positions of a lane (j, j + unit/4, j + unit/2, j + 3 unit/4; unit is 16, 32 or 128), and the
+    terms fold in int32."""
+    T, quarter, L = x.shape[0], codes.shape[1] // 4, scale.shape[1]
+    U = L // R
+    terms32, terms, acc = np.empty(quarter, np.int32), np.empty(L, np.float32), np.empty(R, np.float32)
     for g in range(lo, hi):
-        if T == 1:  # straight from the codes: a decode step reads each code once
-            dots[:] = 0
-            for j in range(unit):
-                for lane in range(L):
-                    dots[lane] = np.int32(dots[lane] + np.int32(np.int16(np.int16(codes[g, j, lane]) * x[0, j, lane])))
-            _rescale(dots, scale[g], x_scale[0], acc, out, 0, g * R)
-        else:
-            for j in range(unit):
-                for lane in range(L):
-                    w[j, lane] = codes[g, j, lane]
-            _rows_from_scratch(w, x, scale, x_scale, acc, out, g, R, four, one)
+        c = codes[g]
+        c0, c1, c2, c3 = c[:quarter], c[quarter : 2 * quarter], c[2 * quarter : 3 * quarter], c[3 * quarter :]
+        for t in range(T):
+            xt = x[t]
+            x0, x1, x2, x3 = xt[:quarter], xt[quarter : 2 * quarter], xt[2 * quarter : 3 * quarter], xt[3 * quarter :]
+            for i in range(quarter):  # four positions a term: two int16 pairs, added in int32
+                terms32[i] = (np.int32(np.int16(np.int16(c0[i]) * x0[i]) + np.int16(np.int16(c2[i]) * x2[i]))
+                              + np.int32(np.int16(np.int16(c1[i]) * x1[i]) + np.int16(np.int16(c3[i]) * x3[i])))
+            _fold(terms32, L)
+            _rescale(terms32[:L], scale[g], x_scale[t], terms, R, out, t, g * R)
         for t in range(T if minimum.shape[1] > 0 else 0):
             acc[:] = 0
             for v in range(U):
                 for r in range(R):
-                    acc[r] += (x_sum[t, v] * x_scale[t, v]) * minimum[g, v * R + r]
+                    acc[r] += (x_sum[t, v] * x_scale[t, v * R]) * minimum[g, v * R + r]
             for r in range(min(R, out.shape[1] - g * R)):
                 out[t, g * R + r] -= acc[r]
 
@@ -239,7 +218,8 @@ def _int8_lanes(x, unit, R, q, x_scale, x_sum):
     TiledLinear.by_lanes in numpy, which took ~30 us a call, 110 calls a 0.8B step).
 
     x fp32 [T, K] -> q int16 [T, unit, U * R] (the int8 level of input v * unit + j at [t, j, v * R + r]
-    for every r), x_scale fp32 [T, U] (the scale of the 32-input block holding unit v: absmax / 127),
+    for every r), x_scale fp32 [T, U * R] (the scale of the 32-input block holding unit v, absmax / 127,
+    at lanes v * R .. v * R + R - 1),
     x_sum fp32 [T, U] (each unit's sum of levels). Levels round half to even (np.rint), as
     quantize_int8_blocks: the same bits."""
     T, K = x.shape
@@ -252,7 +232,8 @@ def _int8_lanes(x, unit, R, q, x_scale, x_sum):
             scale = absmax / np.float32(INT8_MAX)
             safe = scale if scale > 0 else np.float32(1)
             for u in range(b * per_block, (b + 1) * per_block):
-                x_scale[t, u] = scale
+                for r in range(R):
+                    x_scale[t, u * R + r] = scale
                 total = np.float32(0)
                 for j in range(unit):
                     level = np.rint(x[t, u * unit + j] / safe)
@@ -293,18 +274,19 @@ def _dense(weight, x, out, lo, hi):
 
 
 @_jit()
-def delta_rule_rows(S, q, k, v, beta, log_decay, states, out):
+def delta_rule_rows(S, q, k, v, beta, log_decay, states, out, lo, hi):
     """Gated DeltaNet's recurrence row by row (REFERENCE.md section 1), fused: per head and row
     S' = e^g S; u = beta (v - S'^T k); S' += k u^T; o = S'^T q, in one pass over S and one over S'.
 
     S [H, dk, dv] the state before the first row (not written); q, k [T, H, dk]; v [T, H, dv];
     beta, log_decay [T, H]; states [T, H, dk, dv] receives the state after each row (a verify pass
-    rolls back to any of them); out [T, H, dv]. Each sum runs over dk in order, the same for a row
-    alone as among others. cpu_ops.delta_rule_step is the numpy reference."""
+    rolls back to any of them); out [T, H, dv]; heads [lo, hi) (heads are independent: the cores
+    share them). Each sum runs over dk in order, the same for a row alone as among others.
+    cpu_ops.delta_rule_step is the numpy reference."""
     T, H, dk = q.shape
     dv = v.shape[2]
     update = np.empty(dv, np.float32)
-    for h in range(H):
+    for h in range(lo, hi):
         for t in range(T):
             before = S[h] if t == 0 else states[t - 1, h]
             after, o = states[t, h], out[t, h]
@@ -360,8 +342,14 @@ class UnitPlanes:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes + self.minimum.nbytes
 
+    @property
+    def flat_codes(self) -> np.ndarray:
+        """codes as [G, positions * L] (a view): the w4a8 kernels loop over a group's bytes flat."""
+        return self.codes.reshape(self.codes.shape[0], -1)
 
-MIN_LANES = 128  # lanes a group should have at least: R = ceil(128 / U), at most MAX_GROUP rows
+
+MIN_LANES = 256  # lanes a group should have at least: R = ceil(256 / U), at most MAX_GROUP rows (256 rather
+# than 128: a group's fixed costs, the fold and the rescale, spread over twice the weights; -10% time)
 MAX_GROUP = 8
 REPACK_ROWS_WEIGHTS = 1 << 20  # weights repacked at a time
 
@@ -519,17 +507,17 @@ class W4A8Linear(TiledLinear):
         p = self.planes
         T = x.shape[0]
         q = np.empty((T, p.unit, p.units * p.group), np.int16)
-        x_scale, x_sum = np.empty((T, p.units), np.float32), np.empty((T, p.units), np.float32)
+        x_scale, x_sum = np.empty((T, p.units * p.group), np.float32), np.empty((T, p.units), np.float32)
         _int8_lanes(np.ascontiguousarray(x, dtype=np.float32), p.unit, p.group, q, x_scale, x_sum)
-        return q, x_scale, x_sum
+        return q.reshape(T, -1), x_scale, x_sum
 
     def kernel(self, prepared, out: np.ndarray, lo: int, hi: int) -> None:
         q, x_scale, x_sum = prepared
         p = self.planes
         if p.nibbles:
-            _w4a8_nibbles(p.codes, p.scale, q, x_scale, out, lo, hi)
+            _w4a8_nibbles(p.flat_codes, p.scale, q, x_scale, p.group, out, lo, hi)
         else:
-            _w4a8_bytes(p.codes, p.scale, p.minimum, q, x_scale, x_sum, out, lo, hi)
+            _w4a8_bytes(p.flat_codes, p.scale, p.minimum, q, x_scale, x_sum, p.group, out, lo, hi)
 
 
 class TrellisLinear(TiledLinear):
@@ -548,13 +536,14 @@ class TrellisLinear(TiledLinear):
 
     def prepare(self, x: np.ndarray):
         q, act_scale = rotated_int8_activations(x, self.seed)  # [T, B, 128], [T, B]
-        act_scale = np.ascontiguousarray(act_scale, dtype=np.float32)
-        return self.by_lanes(q.reshape(x.shape[0], -1), np.int16), act_scale
+        lane_scale = np.repeat(act_scale.astype(np.float32), self.planes.group, axis=1)  # [T, B * R]
+        levels = self.by_lanes(q.reshape(x.shape[0], -1), np.int16).reshape(x.shape[0], -1)  # [T, 128 * L]
+        return levels, lane_scale, act_scale.astype(np.float32)
 
     def kernel(self, prepared, out: np.ndarray, lo: int, hi: int) -> None:
-        q, act_scale = prepared
+        q, lane_scale, act_scale = prepared
         p = self.planes
-        _w4a8_bytes(p.codes, p.scale, p.minimum, q, act_scale, act_scale, out, lo, hi)
+        _w4a8_bytes(p.flat_codes, p.scale, p.minimum, q, lane_scale, act_scale, p.group, out, lo, hi)
         rows = slice(lo * p.group, min(hi * p.group, p.rows))
         out[:, rows] *= self.row_scale[rows]
 
@@ -609,7 +598,7 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
     steps = [lambda linear=linear: (linear(x1), linear(x4)) for linear in linears]
     steps.append(lambda: delta_rule_rows(np.zeros((1, 4, 4), np.float32), *(np.zeros((1, 1, 4), np.float32),) * 3,
                                          np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32),
-                                         np.zeros((1, 1, 4, 4), np.float32), np.zeros((1, 1, 4), np.float32)))
+                                         np.zeros((1, 1, 4, 4), np.float32), np.zeros((1, 1, 4), np.float32), 0, 1))
     for done, step in enumerate(steps, 1):
         step()
         if report:

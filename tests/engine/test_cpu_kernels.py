@@ -161,8 +161,10 @@ def test_activations_are_the_routes_int8_levels_bit_for_bit(qtype):
     levels, scale = quantize_int8_blocks(x)  # [T, K/32, 32], [T, K/32]
     unit, p = linear.planes.unit, linear.planes
     by_unit = levels.reshape(3, -1, unit)  # [T, U, unit]
-    assert np.array_equal(q, np.repeat(by_unit.transpose(0, 2, 1), p.group, axis=2).astype(np.int16))
-    assert np.array_equal(x_scale.view(np.uint32), np.repeat(scale, 32 // unit, axis=1).view(np.uint32))
+    lanes = np.repeat(by_unit.transpose(0, 2, 1), p.group, axis=2)  # [T, unit, U * R]: position-major, R copies
+    assert np.array_equal(q, lanes.reshape(3, -1).astype(np.int16))
+    unit_scale = np.repeat(scale, 32 // unit, axis=1)  # [T, U]
+    assert np.array_equal(x_scale.view(np.uint32), np.repeat(unit_scale, p.group, axis=1).view(np.uint32))
     assert np.array_equal(x_sum, by_unit.sum(axis=-1))
 
 
