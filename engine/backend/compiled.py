@@ -11,11 +11,11 @@ from two things:
   rows side by side too (codes [N / R, unit, U * R]). The dot products of all units of R rows then
   grow together, one vector op per position, with no horizontal sum per unit; each unit's scale is
   applied once at the end.
-- The token rows share the weight. A group of weight rows is decoded once into a small scratch
-  (L1) and multiplied against the T <= 16 token rows, four at a time; integer dots are exact and
-  every fp32 sum runs in a fixed order per token row, so a token row gets the same bits whether it
-  is alone (a decode step) or one of k + 1 verify rows. That keeps exact acceptance exact while a
-  verify pass costs little more than one step. Longer calls (prefill) run in tiles of 16 rows.
+- The token rows share the weight read. A group of weight rows is read from memory once and
+  stays in L1 while each of the T <= 16 token rows runs the same code against it; integer dots are
+  exact and every fp32 sum runs in a fixed order per token row, so a token row gets the same bits
+  whether it is alone (a decode step) or one of k + 1 verify rows. That keeps exact acceptance
+  exact. Longer calls (prefill) run in tiles of 16 rows.
 
 Threads: the kernels release the GIL and take a range of weight rows, so engine/backend/threads.py
 splits a product's rows between the cores; a weight row's result does not depend on the split.
@@ -39,7 +39,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from duet.engine.backend import MAX_ROWS, cpu
 from duet.engine.backend.threads import in_parallel
 from duet.engine.quant.activation import ACT_BLOCK, INT8_MAX, round_to_bf16
-from duet.engine.quant.gguf_blocks import BlockMatrix, f16_field
+from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations
 from duet.engine.quant.w4 import GROUP, W4Weight
 from duet.engine.weights import release_file_pages
@@ -89,6 +89,45 @@ def _jit(fastmath: bool = False):
 # decoded scratch (several) gives the same bits; only the fp32 sums' order matters, and it is fixed.
 
 
+def unit_scales(row, scratch):
+    """A group's unit scales as fp32: the row itself when it is fp32, or its f16 bits decoded into
+    scratch (uint32 [L], returned seen as fp32). Compiled per dtype (numba's overload below); this
+    plain version serves numpy callers and tests."""
+    return row if row.dtype == np.float32 else row.view(np.float16).astype(np.float32)
+
+
+if _numba:
+    from numba.extending import overload
+
+    @overload(unit_scales, jit_options={"nogil": True})
+    def _unit_scales_compiled(row, scratch):
+        if row.dtype != _numba.types.uint16:
+            return lambda row, scratch: row
+
+        def decode_f16(row, scratch):
+            """f16 bits -> fp32, exactly, with no fp32 subnormal operand (one costs the core a slow
+            microcode assist): sign, exponent and mantissa move to fp32's places, the exponent
+            rebiased (+112; all ones for an infinity or NaN; zeros stay zero). f16 subnormals, rare
+            in scales, then get a second pass: mantissa * 2^-24."""
+            subnormals = np.uint32(0)
+            for i in range(row.shape[0]):
+                bits = np.uint32(row[i])
+                exponent = bits & np.uint32(0x7C00)
+                rebias = np.uint32(224 << 23) if exponent == np.uint32(0x7C00) else np.uint32(112 << 23)
+                rebias = rebias if exponent != np.uint32(0) else np.uint32(0)
+                scratch[i] = (((bits & np.uint32(0x7FFF)) << np.uint32(13)) + rebias) | ((bits & np.uint32(0x8000)) << np.uint32(16))
+                subnormals |= bits & np.uint32(0x3FF) if exponent == np.uint32(0) else np.uint32(0)
+            values = scratch.view(np.float32)
+            for i in range(values.shape[0] if subnormals else 0):
+                bits = np.uint32(row[i])
+                if bits & np.uint32(0x7C00) == np.uint32(0):
+                    small = np.float32(bits & np.uint32(0x3FF)) * np.float32(2.0**-24)
+                    values[i] = -small if bits & np.uint32(0x8000) else small
+            return values
+
+        return decode_f16
+
+
 @_jit()
 def _rescale(dots, scale, x_scale, terms, R, out, t, first):
     """out[t, first + r] = sum over units v of fp32(dots[v*R + r]) * (scale[v*R + r] * x_scale[v*R + r])
@@ -131,22 +170,22 @@ def _fold(terms, L):
 def _w4a8_nibbles(codes, scale, x, x_scale, R, out, lo, hi):
     """Levels -8..7, two a byte: codes uint8 [G, unit/2 * L], byte j * L + lane holding position j
     (low nibble) and j + unit/2 (high), each + 8; x int16 [T, unit * L] (int8 activation levels,
-    position-major as the codes); scale fp32 [G, L], x_scale fp32 [T, L]. Each byte's two products
+    position-major as the codes); scale [G, L] (fp32 or f16 bits: unit_scales), x_scale fp32 [T, L]. Each byte's two products
     go into an int16 term, the terms fold to one per lane (_fold), the lane dots rescale
     (_rescale). Any partial sum of a unit fits int16: |dot| <= 32 * 8 * 127 = 32512 < 2^15.
     The loops run flat over all unit/2 * L bytes of a group: per-position loops of L = 128 lanes
     spent more on loop set-up than on products (~500 against ~290 ns a group of 4 x 1024)."""
     T, n, L = x.shape[0], codes.shape[1], scale.shape[1]
-    terms16, terms = np.empty(n, np.int16), np.empty(L, np.float32)
+    terms16, terms, scratch = np.empty(n, np.int16), np.empty(L, np.float32), np.empty(L, np.uint32)
     for g in range(lo, hi):
-        c = codes[g]
+        c, group_scale = codes[g], unit_scales(scale[g], scratch)
         for t in range(T):
             low, high = x[t, :n], x[t, n:]  # views indexed from 0: numba then needs no negative-index check
             for i in range(n):
                 byte = np.int16(c[i])
                 terms16[i] = np.int16(np.int16(np.int16((byte & 15) - 8) * low[i]) + np.int16(np.int16((byte >> 4) - 8) * high[i]))
             _fold(terms16, L)
-            _rescale(terms16[:L], scale[g], x_scale[t], terms, R, out, t, g * R)
+            _rescale(terms16[:L], group_scale, x_scale[t], terms, R, out, t, g * R)
 
 
 @_jit()
@@ -162,8 +201,9 @@ def _w4a8_bytes(codes, scale, minimum, x, x_scale, x_sum, R, out, lo, hi):
     T, quarter, L = x.shape[0], codes.shape[1] // 4, scale.shape[1]
     U = L // R
     terms32, terms, acc = np.empty(quarter, np.int32), np.empty(L, np.float32), np.empty(R, np.float32)
+    scratch = np.empty(L, np.uint32)
     for g in range(lo, hi):
-        c = codes[g]
+        c, group_scale = codes[g], unit_scales(scale[g], scratch)
         c0, c1, c2, c3 = c[:quarter], c[quarter : 2 * quarter], c[2 * quarter : 3 * quarter], c[3 * quarter :]
         for t in range(T):
             xt = x[t]
@@ -172,7 +212,7 @@ def _w4a8_bytes(codes, scale, minimum, x, x_scale, x_sum, R, out, lo, hi):
                 terms32[i] = (np.int32(np.int16(np.int16(c0[i]) * x0[i]) + np.int16(np.int16(c2[i]) * x2[i]))
                               + np.int32(np.int16(np.int16(c1[i]) * x1[i]) + np.int16(np.int16(c3[i]) * x3[i])))
             _fold(terms32, L)
-            _rescale(terms32[:L], scale[g], x_scale[t], terms, R, out, t, g * R)
+            _rescale(terms32[:L], group_scale, x_scale[t], terms, R, out, t, g * R)
         for t in range(T if minimum.shape[1] > 0 else 0):
             acc[:] = 0
             for v in range(U):
@@ -313,7 +353,9 @@ class UnitPlanes:
     """A quantized matrix [N, K] as the kernels read it (module docstring, kernel shapes: lane v * R + r).
 
     codes    uint8 [G, unit/2, L] (`nibbles`: levels -8..7, two a byte) or int8 [G, unit, L]
-    scale    fp32 [G, L]: the weight scale of each unit (f16, bf16 or a product of them, exact)
+    scale    [G, L]: the weight scale of each unit, fp32 (bf16 or a product of f16s, exact), or
+             uint16 f16 bits for Q4_0 / Q8_0, as their blocks hold them (half the bytes: the 0.8B
+             Q4_0 file's planes were 45 MB larger than its blocks with fp32 scales)
     minimum  fp32 [G, L] for Q4_K / Q5_K, else [G, 0]
     Rows past N (the last group's padding) have level 0 and scale 0.
     """
@@ -368,7 +410,8 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int) -> UnitPla
     nibbles = isinstance(weight, W4Weight) or (isinstance(weight, BlockMatrix) and weight.qtype.name == "Q4_0")
     positions = unit // 2 if nibbles else unit
     codes = np.empty((G, positions, R * U), np.uint8 if nibbles else np.int8)
-    scale = np.empty((G, R * U), np.float32)
+    as_stored = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0") and unit == 32
+    scale = np.empty((G, R * U), np.uint16 if as_stored else np.float32)  # Q4_0 / Q8_0: their f16 bits
     has_minimum = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_K", "Q5_K")
     minimum = np.empty((G, R * U if has_minimum else 0), np.float32)
     step = R * max(1, REPACK_ROWS_WEIGHTS // K // R)  # whole groups
@@ -383,8 +426,6 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int) -> UnitPla
         grouped = values.reshape((rows + pad) // R, R, *values.shape[1:-1], U)
         return np.moveaxis(grouped, 1, -1).reshape((rows + pad) // R, *values.shape[1:-1], U * R)
 
-    as_stored = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0") and unit == 32
-
     def chunks(lo: int, hi: int) -> None:
         for start in range(lo * step, min(N, hi * step), step):
             stop = min(N, start + step)
@@ -392,7 +433,7 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int) -> UnitPla
             if as_stored:  # each block is one unit already: its bytes move, nothing is decoded
                 _blocks_to_lanes(weight.raw, codes.view(np.uint8), first, last, R, 0x88 if nibbles else 0)
                 blocks = weight.raw[start:stop].reshape(stop - start, U, -1)  # [r, U, 2 + payload]
-                unit_scale = f16_field(blocks[:, :, :2])[..., 0]
+                unit_scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16)[..., 0]  # f16 bits
                 unit_minimum = None
             else:
                 by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)
@@ -594,7 +635,8 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
         return BlockMatrix(qtype, np.zeros((8, 256 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]), np.uint8), 256)
 
     w4 = W4Weight(np.zeros((8, 32), np.uint32), np.zeros((8, 2), np.uint16))
-    linears = [W4A8Linear(blocks("Q4_0")), W4A8Linear(blocks("Q4_K")), W4A16Linear(w4), DenseLinear(x4)]
+    # each kernel for each scale dtype it meets: f16 bits (Q4_0, Q8_0) and fp32 (IQ4_XS, Q4_K)
+    linears = [W4A8Linear(blocks(name)) for name in ("Q4_0", "IQ4_XS", "Q8_0", "Q4_K")] + [W4A16Linear(w4), DenseLinear(x4)]
     steps = [lambda linear=linear: (linear(x1), linear(x4)) for linear in linears]
     steps.append(lambda: delta_rule_rows(np.zeros((1, 4, 4), np.float32), *(np.zeros((1, 1, 4), np.float32),) * 3,
                                          np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32),
