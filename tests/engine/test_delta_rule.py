@@ -80,24 +80,63 @@ def float64_recurrence(q, k, v, beta, log_decay, S):
     return np.stack(outs), states
 
 
-def test_compiled_rows_follow_the_recurrence_and_give_a_row_its_bits_alone(monkeypatch):
-    """The fused kernel (compiled.delta_rule_rows, what delta_rule_rows runs) against float64: within
-    what fp32 rounding of dk-term sums allows (128 terms of |S k| <= |S|; 1e-5 relative to |S| after
-    4 rows); a row's output and state are the same bits alone as among verify rows."""
-    monkeypatch.delenv(compiled.KERNELS_ENV, raising=False)  # the compiled path, whatever the environment says
+def compiled_rows(q, k, v, beta, log_decay, S0):
+    """compiled.delta_rule_rows over every head: (outputs [T, H, dv], states [T, H, dk, dv])."""
+    T, H, _ = q.shape
+    states = np.empty((T, H, *S0.shape[1:]), np.float32)
+    out = np.empty((T, H, v.shape[2]), np.float32)
+    compiled.delta_rule_rows(S0, q, k, v, beta, log_decay, states, out, 0, H)
+    return out, states
+
+
+def test_compiled_rows_follow_the_recurrence_and_give_a_row_its_bits_alone():
+    """The fused kernel (compiled.delta_rule_rows, what compiled.deltanet_heads runs) against float64:
+    within what fp32 rounding of dk-term sums allows (128 terms of |S k| <= |S|; 1e-5 relative to |S|
+    after 4 rows); a row's output and state are the same bits alone as among verify rows, and a
+    head's whether it runs with the others or alone."""
     rng = np.random.default_rng(5)
     q, k, v, beta, log_decay = random_rule_inputs(rng, 4, 8, 128, -2.0)
     S0 = rng.standard_normal((8, 128, 128)).astype(np.float32)
-    state = DeltaNetState(1, 2, 8, 128, 128)
-    state.recurrent = S0
-    out = delta_rule_rows(q, k, v, beta, log_decay, state)
+    out, states = compiled_rows(q, k, v, beta, log_decay, S0)
     want, want_states = float64_recurrence(q, k, v, beta, log_decay, S0)
     scale = np.abs(want_states[-1]).max()
     assert np.abs(out - want).max() <= 1e-5 * scale
-    for got, expected in zip(state.row_states, want_states):
+    for got, expected in zip(states, want_states):
         assert np.abs(got - expected).max() <= 1e-5 * scale
-    assert np.array_equal(state.recurrent, state.row_states[-1])
-    alone = DeltaNetState(1, 2, 8, 128, 128)
-    alone.recurrent = S0
-    first = delta_rule_rows(q[:1], k[:1], v[:1], beta[:1], log_decay[:1], alone)
-    assert np.array_equal(first[0], out[0]) and np.array_equal(alone.recurrent, state.row_states[0])
+    first, first_state = compiled_rows(q[:1], k[:1], v[:1], beta[:1], log_decay[:1], S0)
+    assert np.array_equal(first[0], out[0]) and np.array_equal(first_state[0], states[0])
+    split = np.empty_like(states), np.empty_like(out)
+    for lo, hi in ((0, 3), (3, 8)):
+        compiled.delta_rule_rows(S0, q, k, v, beta, log_decay, split[0], split[1], lo, hi)
+    assert np.array_equal(split[0], states) and np.array_equal(split[1], out)
+
+
+def test_the_fused_deltanet_step_matches_numpys_and_gives_a_row_its_bits_alone(tmp_path, monkeypatch):
+    """compiled.deltanet_heads (a decode or verify pass's per-head steps in one kernel) against the numpy
+    steps it replaces (DUET_CPU_KERNELS=numpy), on a transformers-initialised layer and inputs the size
+    of its in_proj output: within fp32 rounding of a few dk- and dv-term sums (1e-5 relative to the
+    largest output); the state and output of a row are the same bits alone as among four rows."""
+    from conftest import build_reference, save_reference
+    from duet.engine import load_model
+    from duet.engine.model import DeltaNet
+
+    save_reference(build_reference("qwen3_5", seed=3), tmp_path, with_tokenizer=False)
+    layer = next(l.mixer for l in load_model(tmp_path, tokenizer=False).model.layers if isinstance(l.mixer, DeltaNet))
+    c = layer.config
+    rng = np.random.default_rng(7)
+    projected = rng.standard_normal((4, layer.in_proj.shape[0])).astype(np.float32)
+    S0 = rng.standard_normal((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)).astype(np.float32) * 0.1
+
+    def run(rows: slice, kernels: str):
+        monkeypatch.setenv(compiled.KERNELS_ENV, kernels)
+        state = layer.new_cache()
+        state.recurrent = S0.copy()
+        out = layer.ops.deltanet(layer, projected[rows], state, 0)
+        return out, state
+
+    fused, fused_state = run(slice(0, 4), "compiled")
+    numpy_out, numpy_state = run(slice(0, 4), "numpy")
+    assert np.abs(fused - numpy_out).max() <= 1e-5 * np.abs(numpy_out).max()
+    assert np.abs(fused_state.recurrent - numpy_state.recurrent).max() <= 1e-5 * np.abs(numpy_state.recurrent).max()
+    first, first_state = run(slice(0, 1), "compiled")
+    assert np.array_equal(first[0], fused[0]) and np.array_equal(first_state.recurrent, fused_state.row_states[0])
