@@ -162,10 +162,13 @@ def test_activations_are_the_routes_int8_levels_bit_for_bit(qtype):
     unit, p = linear.planes.unit, linear.planes
     by_unit = levels.reshape(3, -1, unit)  # [T, U, unit]
     lanes = np.repeat(by_unit.transpose(0, 2, 1), p.group, axis=2)  # [T, unit, U * R]: position-major, R copies
-    assert np.array_equal(q, lanes.reshape(3, -1).astype(np.int16))
+    if p.nibbles:  # pairs of positions side by side, low half then high half: [T, 2, unit/4, L, 2]
+        lanes = lanes.reshape(3, 2, unit // 4, 2, -1).transpose(0, 1, 2, 4, 3)
+    assert q.dtype == (np.int8 if p.nibbles else np.int16) and np.array_equal(q, lanes.reshape(3, -1))
     unit_scale = np.repeat(scale, 32 // unit, axis=1)  # [T, U]
     assert np.array_equal(x_scale.view(np.uint32), np.repeat(unit_scale, p.group, axis=1).view(np.uint32))
-    assert np.array_equal(x_sum, by_unit.sum(axis=-1))
+    unit_sum = by_unit.sum(axis=-1)
+    assert np.array_equal(x_sum, np.repeat(unit_sum, p.group, axis=1) if p.nibbles else unit_sum)
 
 
 def test_f16_scale_bits_decode_exactly_in_the_kernels():
@@ -336,7 +339,7 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     reports = []
     compiled.compile_kernels(lambda done, total: reports.append((done, total)))
     assert reports == [(i, len(reports)) for i in range(1, len(reports) + 1)] and len(reports) >= 5
-    kernels = [compiled._w4a8_nibbles, compiled._w4a8_bytes, compiled._w4a16_nibbles, compiled._dense, compiled.delta_rule_rows]
+    kernels = [compiled._w4a8_nibbles, compiled._w4a8_bytes, compiled._w4a16_nibbles, compiled._dense, compiled.deltanet_heads]
     prepared = [len(kernel.signatures) for kernel in kernels]
     assert prepared == [2, 2, 1, 1, 1]  # w4a8 kernels: fp32 scales and f16 bits (Q4_0, Q8_0)
     models = Path(__file__).parents[2] / "models"
