@@ -115,7 +115,8 @@ if _numba:
                 exponent = bits & np.uint32(0x7C00)
                 rebias = np.uint32(224 << 23) if exponent == np.uint32(0x7C00) else np.uint32(112 << 23)
                 rebias = rebias if exponent != np.uint32(0) else np.uint32(0)
-                scratch[i] = (((bits & np.uint32(0x7FFF)) << np.uint32(13)) + rebias) | ((bits & np.uint32(0x8000)) << np.uint32(16))
+                magnitude = ((bits & np.uint32(0x7FFF)) << np.uint32(13)) + rebias
+                scratch[i] = magnitude | ((bits & np.uint32(0x8000)) << np.uint32(16))
                 subnormals |= bits & np.uint32(0x3FF) if exponent == np.uint32(0) else np.uint32(0)
             values = scratch.view(np.float32)
             for i in range(values.shape[0] if subnormals else 0):
@@ -187,7 +188,8 @@ def _w4a8_nibbles(codes, scale, x, x_sum, x_scale, R, out, lo, hi):
     Per group the nibbles are split into two byte planes once; per row, adjacent pairs multiply
     into int16 (_pair_products), each plane's terms fold to one per lane (8 pairs of <= 3810: fits
     int16), and dot = low + high - 8 * x_sum undoes the + 8 exactly. Then _rescale. Measured on
-    one core, a group of 8 x 1024: the int16-lane products this replaced took ~1.6x as long."""
+    one core, Q4_0 3584 x 1024, against int16-lane products: products and folds ~1.6x as fast; a
+    group row 959 -> 805 ns at 4 rows, 606 -> 478 at 16; a decode step's one row about the same."""
     T, n, L = x.shape[0], codes.shape[1], scale.shape[1]
     low_levels, high_levels = np.empty(n, np.uint8), np.empty(n, np.uint8)
     low_terms, high_terms = np.empty(n // 2, np.int16), np.empty(n // 2, np.int16)
