@@ -59,9 +59,9 @@ class RescoredHead:
     under a top-k of 64 or less and cuts the far tail otherwise.
     """
 
-    def __init__(self, weight: np.ndarray, candidates: int = RESCORE_CANDIDATES):
-        self.weight = weight  # [V, H] fp32 holding the checkpoint's bf16 values: the rescoring rows
-        self.ranking = W4A16Linear(quantize_rtn(weight))
+    def __init__(self, weight, candidates: int = RESCORE_CANDIDATES):
+        self.weight = weight  # [V, H] bf16 values (BF16Matrix, or fp32 holding them): the rescoring rows
+        self.ranking = W4A16Linear(quantize_rtn(weight if isinstance(weight, np.ndarray) else weight.dequantize()))
         self.candidates = min(candidates, weight.shape[0])
 
     @property

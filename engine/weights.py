@@ -1,7 +1,8 @@
 """Stored tensors as the checkpoint readers hand them over, and the stacking of matrices by rows.
 
 A stored matrix is one of:
-    np.ndarray      float weights, widened to fp32 [N, K]
+    np.ndarray      float weights in fp32 [N, K] (fp32 / fp16 files, GGUF float tensors)
+    BF16Matrix      a bf16 checkpoint's matrix as its 16-bit patterns, widened where used
     W4Weight        4-bit levels, bf16 scale per 128 inputs (engine/quant/w4.py)
     BlockMatrix     a GGUF file's quantized blocks as they are (engine/quant/gguf_blocks.py)
     TrellisWeight   trellis-coded tiles, Hadamard-rotated (engine/quant/trellis.py)
@@ -12,17 +13,41 @@ backend, which turns each into a Linear of the chosen route. Nothing here comput
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass
 
 import numpy as np
 
+from duet.engine.checkpoint.safetensors import bf16_to_f32, release_file_pages
 from duet.engine.config import ModelConfig
 from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.trellis import TrellisWeight
 from duet.engine.quant.w4 import W4Weight
 
 HEAD_KEY = {True: "embed_tokens.weight", False: "lm_head.weight"}  # the output head's model key, by tie_word_embeddings
+
+
+@dataclass(frozen=True)
+class BF16Matrix:
+    """A bf16 matrix kept as stored: bits uint16 [N, K], half the bytes of the fp32 it stands for
+    (bf16 is the top half of an fp32, so widening is exact). Linears read the bits (the compiled
+    CPU kernel) or widen once (the numpy reference, the GPU upload); an embedding widens the rows it
+    looks up."""
+
+    bits: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.bits.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits.nbytes
+
+    def dequantize(self) -> np.ndarray:
+        return bf16_to_f32(self.bits)
+
+    def __getitem__(self, rows) -> np.ndarray:
+        return bf16_to_f32(self.bits[rows])
 
 
 @dataclass(frozen=True)
@@ -61,28 +86,9 @@ def row_runs(parts: list) -> list:
     return [stack_rows(run) for run in runs]
 
 
-def release_file_pages(array: np.ndarray) -> None:
-    """Let go of the file pages behind a memory-mapped array once its values have been copied.
-
-    The pages stay in the OS's page cache (a later read, such as an embedding lookup or a switch to
-    the bf16 route, maps them again), but no longer count in this process's resident memory: the
-    0.8B Q4_0 file was held twice after loading, as its blocks and as what was made from them.
-    Arrays not backed by a file mapping are left alone; only whole pages inside the array go."""
-    mapped = array
-    while mapped is not None and not isinstance(mapped, mmap.mmap):
-        mapped = getattr(mapped, "base", None)
-    if mapped is None or not array.size:
-        return
-    base = np.frombuffer(mapped, np.uint8).ctypes.data
-    offset = array.ctypes.data - base
-    first, last = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, (offset + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if last > first:
-        mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
-
-
 def same_storage(a, b) -> bool:
     """Whether b can join a in one stored matrix (same form, same block layout along K)."""
-    if isinstance(a, (np.ndarray, W4Weight)):
+    if isinstance(a, (np.ndarray, W4Weight, BF16Matrix)):
         return type(a) is type(b)
     if isinstance(a, TrellisWeight):
         return isinstance(b, TrellisWeight) and (a.k, a.seed, a.shape[1]) == (b.k, b.seed, b.shape[1])
@@ -98,6 +104,8 @@ def stack_rows(run: list):
         return first
     if isinstance(first, np.ndarray):
         return np.concatenate(run)
+    if isinstance(first, BF16Matrix):
+        return BF16Matrix(np.concatenate([p.bits for p in run]))
     if isinstance(first, W4Weight):
         return W4Weight(np.concatenate([p.packed for p in run]), np.concatenate([p.scales for p in run]))
     if isinstance(first, TrellisWeight):
@@ -111,9 +119,12 @@ def stack_rows(run: list):
 
 
 def take_rows(matrix, rows: np.ndarray | slice):
-    """Some rows of a stored matrix: a view for float weights and slices, a copy of the rows' blocks else."""
+    """Some rows of a stored matrix: a view for float weights (fp32, bf16 bits) and slices, a copy of
+    the rows' blocks else."""
     if isinstance(matrix, np.ndarray):
         return matrix[rows]
+    if isinstance(matrix, BF16Matrix):
+        return BF16Matrix(matrix.bits[rows])
     index = np.arange(matrix.shape[0])[rows]
     taken = matrix.take_rows(index)
     if isinstance(matrix, BlockMatrix) and index.size:  # the copy is what the model keeps

@@ -42,7 +42,8 @@ from duet.engine.quant.activation import ACT_BLOCK, INT8_MAX, round_to_bf16
 from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations
 from duet.engine.quant.w4 import GROUP, W4Weight
-from duet.engine.weights import release_file_pages
+from duet.engine.checkpoint.safetensors import bf16_to_f32, release_file_pages
+from duet.engine.weights import BF16Matrix
 
 CACHE_DIR = Path(platformdirs.user_cache_dir("duet")) / "numba"
 KERNELS_ENV = "DUET_CPU_KERNELS"  # "numpy" runs the numpy reference Linears instead
@@ -127,6 +128,29 @@ if _numba:
             return values
 
         return decode_f16
+
+
+def as_float32(bits):
+    """The fp32 whose bit pattern is the low 32 bits of `bits` (numpy callers; compiled code gets the
+    intrinsic below: a reinterpretation in the register, no conversion, which LLVM vectorizes)."""
+    return np.uint32(bits & 0xFFFFFFFF).view(np.float32)
+
+
+if _numba:
+    import llvmlite.ir
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def as_float32(typingctx, bits):  # noqa: F811 (the compiled form of the function above)
+        """Any unsigned integer (numba widens uint32 arithmetic to uint64): its low 32 bits."""
+        if not isinstance(bits, _numba.types.Integer) or bits.signed or bits.bitwidth < 32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            low = builder.trunc(args[0], llvmlite.ir.IntType(32)) if bits.bitwidth > 32 else args[0]
+            return builder.bitcast(low, llvmlite.ir.FloatType())
+
+        return _numba.types.float32(bits), codegen
 
 
 @_jit()
@@ -342,6 +366,43 @@ def _dense(weight, x, out, lo, hi):
                     for k in range(K):
                         acc += weight[row, k] * x[t, k]
                     out[t, row] = acc
+
+
+@_jit(fastmath=True)
+def _dense_bf16(bits, x, out, lo, hi):
+    """bf16 weight bits [N, K] against fp32 x [T, K], as _dense: a weight is its bits moved to the
+    top half of an fp32 (exact) in the register it is used in, so a pass reads 2 bytes a weight;
+    the same dot loops, so the same bits as _dense on the widened matrix."""
+    T, K = x.shape
+    N = bits.shape[0]
+    sixteen = np.uint32(16)
+    for g in range(lo, hi):
+        n = g * DENSE_GROUP
+        for t in range(T):
+            if n + DENSE_GROUP <= N:
+                acc0 = acc1 = acc2 = acc3 = np.float32(0)
+                for k in range(K):
+                    xk = x[t, k]
+                    acc0 += as_float32(np.uint32(bits[n, k]) << sixteen) * xk
+                    acc1 += as_float32(np.uint32(bits[n + 1, k]) << sixteen) * xk
+                    acc2 += as_float32(np.uint32(bits[n + 2, k]) << sixteen) * xk
+                    acc3 += as_float32(np.uint32(bits[n + 3, k]) << sixteen) * xk
+                out[t, n], out[t, n + 1], out[t, n + 2], out[t, n + 3] = acc0, acc1, acc2, acc3
+            else:
+                for row in range(n, N):
+                    acc = np.float32(0)
+                    for k in range(K):
+                        acc += as_float32(np.uint32(bits[row, k]) << sixteen) * x[t, k]
+                    out[t, row] = acc
+
+
+@_jit()
+def _widen_bf16(bits, wide):
+    """wide[:rows] = bf16 bits [rows, K] moved to the top half of uint32s: the fp32 values, exactly
+    (numpy's two-pass widening took ~40% of a bf16 prefill's products)."""
+    for r in range(bits.shape[0]):
+        for k in range(bits.shape[1]):
+            wide[r, k] = np.uint32(bits[r, k]) << np.uint32(16)
 
 
 @_jit()
@@ -703,6 +764,49 @@ class DenseLinear(cpu.DenseLinear):
         return out
 
 
+class BF16Linear(cpu.Linear):
+    """`bf16` route on a bf16 checkpoint's matrix kept as its bits (BF16Matrix): half the memory of
+    an fp32 copy and half the bytes a pass reads. Up to MAX_ROWS rows through _dense_bf16 (one
+    weight read for all rows, each row's bits as when alone); prefill through BLAS on blocks of
+    WIDEN_ROWS weight rows widened as they are used, each core taking its share of the rows."""
+
+    route = "bf16"
+    WIDEN_ROWS = 256  # weight rows widened at a time in a prefill: 1 MB of fp32 at K = 1024
+
+    def __init__(self, weight: BF16Matrix):
+        self.bits = np.ascontiguousarray(weight.bits)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.bits.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.bits.nbytes
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        N, K = self.bits.shape
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty((x.shape[0], N), np.float32)
+        if x.shape[0] <= MAX_ROWS:
+            groups = -(-N // DENSE_GROUP)
+            in_parallel(lambda lo, hi: _dense_bf16(self.bits, x, out, lo, hi), groups, split=N * K >= SPLIT_MIN_WEIGHTS, blas=False)
+            return out
+
+        by_weight_row = np.empty((N, x.shape[0]), np.float32)
+
+        def weight_rows(lo: int, hi: int) -> None:  # W @ x^T, as cpu.DenseLinear's prefill (its faster order)
+            wide = np.empty((self.WIDEN_ROWS, K), np.uint32)  # in L2: widened, used, overwritten
+            for start in range(lo, hi, self.WIDEN_ROWS):
+                stop = min(hi, start + self.WIDEN_ROWS)
+                _widen_bf16(self.bits[start:stop], wide)
+                np.matmul(wide[: stop - start].view(np.float32), x.T, out=by_weight_row[start:stop])
+                cpu.copy_transposed(out[:, start:stop], by_weight_row[start:stop])
+
+        in_parallel(weight_rows, N)
+        return out
+
+
 def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
     """Compile every kernel for the argument types the Linears pass (or load it from the disk cache),
     reporting (kernels done, kernels in all) after each. A machine's first run compiles, about a
@@ -719,7 +823,8 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
 
     w4 = W4Weight(np.zeros((8, 32), np.uint32), np.zeros((8, 2), np.uint16))
     # each kernel for each scale dtype it meets: f16 bits (Q4_0, Q8_0) and fp32 (IQ4_XS, Q4_K)
-    linears = [W4A8Linear(blocks(name)) for name in ("Q4_0", "IQ4_XS", "Q8_0", "Q4_K")] + [W4A16Linear(w4), DenseLinear(x4)]
+    linears = [W4A8Linear(blocks(name)) for name in ("Q4_0", "IQ4_XS", "Q8_0", "Q4_K")] + [W4A16Linear(w4), DenseLinear(x4),
+                                                                                         BF16Linear(BF16Matrix(np.zeros((8, 256), np.uint16)))]
     steps = [lambda linear=linear: (linear(x1), linear(x4)) for linear in linears]
     vector, rows = np.zeros(2, np.float32), np.zeros((1, 2), np.float32)  # 2 value heads of 4, one key head
     steps.append(lambda: deltanet_heads(np.zeros((1, 16), np.float32), np.zeros((1, 2, 4), np.float32), rows, rows,
@@ -743,6 +848,7 @@ class _Compiled:
     """The Linear kinds cpu.make_linear makes, compiled where a kernel exists."""
 
     DenseLinear = DenseLinear
+    BF16Linear = BF16Linear
     W4A16Linear = W4A16Linear
     W4A8Linear = W4A8Linear
     TrellisLinear = TrellisLinear

@@ -15,7 +15,7 @@ from duet.engine.quant.activation import ACT_BLOCK, quantize_int8_blocks, round_
 from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations
 from duet.engine.quant.w4 import GROUP, W4Weight
-from duet.engine.weights import InputOrder
+from duet.engine.weights import BF16Matrix, InputOrder
 
 
 # From this many tokens, a token-major prefill product splits its tokens between the cores rather
@@ -92,6 +92,13 @@ class DenseLinear(Linear):
 
         in_parallel(weight_rows, N)
         return out
+
+
+class BF16Linear(DenseLinear):
+    """`bf16` route on a bf16 checkpoint's matrix (BF16Matrix): the numpy reference widens it once."""
+
+    def __init__(self, weight: BF16Matrix):
+        super().__init__(weight.dequantize())
 
 
 TRANSPOSE_BLOCK = 8192  # floats per block of a transposing copy: 32 KB, an L1's worth
@@ -267,7 +274,8 @@ class PermutedInput(Linear):
 
 
 def make_linear(weight, route: str, linears=None):
-    """The route's Linear for a weight: fp32 arrays always run dense; quantized ones per route.
+    """The route's Linear for a weight: float matrices (fp32, bf16 bits) always run dense; quantized
+    ones per route.
 
     `bf16` runs quantized weights dequantized to fp32 (exact values), which isolates weight error
     from activation rounding. The loader has already refused routes a checkpoint cannot run.
@@ -277,6 +285,8 @@ def make_linear(weight, route: str, linears=None):
     kinds = linears or sys.modules[__name__]
     if isinstance(weight, InputOrder):
         return kinds.PermutedInput(make_linear(weight.weight, route, linears), weight.order)
+    if isinstance(weight, BF16Matrix):
+        return kinds.BF16Linear(weight)
     if isinstance(weight, np.ndarray):
         return kinds.DenseLinear(weight)
     if route == "bf16":

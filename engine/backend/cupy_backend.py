@@ -68,6 +68,13 @@ class DenseLinear:
         return _device_f32(x) @ self.weight.T
 
 
+class BF16Linear(DenseLinear):
+    """`bf16` route on a bf16 checkpoint's matrix (BF16Matrix), widened to fp32 on the way up."""
+
+    def __init__(self, weight):
+        super().__init__(weight.dequantize())
+
+
 class RowSlicedLinear:
     """The quantized routes' kernels take at most MAX_ROWS rows: y [T, N] from the subclass's
     run_rows(x [t <= MAX_ROWS, K]) -> [t, N] over slices of x."""

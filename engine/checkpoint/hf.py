@@ -17,7 +17,7 @@ from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
 from duet.engine.config import FULL_ATTENTION, ModelConfig
 from duet.engine.errors import CheckpointError
 from duet.engine.quant.w4 import GROUP
-from duet.engine.weights import HEAD_KEY, ModelWeights, take_rows
+from duet.engine.weights import HEAD_KEY, BF16Matrix, ModelWeights, take_rows
 
 Progress = Callable[[int, int], None]  # (bytes read so far, bytes to read)
 
@@ -166,13 +166,22 @@ class TensorPlan:
     def nbytes(self, name: str) -> int:
         return self.quantized.nbytes(name) if name in self.quantized else self.ckpt.info(name).nbytes
 
+    def _read_float(self, name: str):
+        """A bf16 matrix as its bits (BF16Matrix: Linears and embeddings read them as stored, half
+        the bytes of fp32); everything else as fp32."""
+        info = self.ckpt.info(name)
+        if info.dtype == "BF16" and len(info.shape) == 2:
+            return BF16Matrix(self.ckpt.read_bits(name))
+        return self.ckpt.read_f32(name)
+
     def read_all(self, progress: Progress | None) -> dict:
-        """By model key: fp32 arrays, and quantized weights (W4Weight) for the checkpoint's INT4 modules."""
+        """By model key: fp32 arrays, bf16 matrices as BF16Matrix, and quantized weights (W4Weight)
+        for the checkpoint's INT4 modules."""
         total = sum(self.nbytes(n) for n in self.expected)
         done, out = 0, {}
         for name in self.expected:
             key = name.removeprefix(self.prefix)  # the model key: name() undone
-            out[key] = self.quantized.read(name) if name in self.quantized else self.ckpt.read_f32(name)
+            out[key] = self.quantized.read(name) if name in self.quantized else self._read_float(name)
             done += self.nbytes(name)
             if progress:
                 progress(done, total)

@@ -56,6 +56,25 @@ class TensorInfo:
         return self.end - self.begin
 
 
+def release_file_pages(array: np.ndarray) -> None:
+    """Let go of the file pages behind a memory-mapped array once its values have been copied.
+
+    The pages stay in the OS's page cache (a later read, such as an embedding lookup or a switch to
+    the bf16 route, maps them again), but no longer count in this process's resident memory: the
+    0.8B Q4_0 file was held twice after loading, as its blocks and as what was made from them.
+    Arrays not backed by a file mapping are left alone; only whole pages inside the array go."""
+    mapped = array
+    while mapped is not None and not isinstance(mapped, mmap.mmap):
+        mapped = getattr(mapped, "base", None)
+    if mapped is None or not array.size:
+        return
+    base = np.frombuffer(mapped, np.uint8).ctypes.data
+    offset = array.ctypes.data - base
+    first, last = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, (offset + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+
 class SafetensorsFile:
     """One .safetensors file: parsed header, data mapped on first read."""
 
@@ -86,6 +105,15 @@ class SafetensorsFile:
         if info.dtype == "BF16":
             return bf16_to_f32(stored)
         return stored.astype(np.float32)
+
+    def read_bits(self, name: str) -> np.ndarray:
+        """A bf16 tensor's 16-bit patterns as a new uint16 array (the mapping is not kept alive by it)."""
+        if self.tensors[name].dtype != "BF16":
+            raise CheckpointError(self.path, f"tensor {name} is {self.tensors[name].dtype}, expected BF16")
+        stored = self.raw(name)
+        bits = np.array(stored)
+        release_file_pages(stored)  # the copy is what the model keeps
+        return bits
 
     def close(self) -> None:
         if self._map is not None:
@@ -189,6 +217,9 @@ class SafetensorsCheckpoint:
 
     def read_f32(self, name: str) -> np.ndarray:
         return self._where[name].read_f32(name)
+
+    def read_bits(self, name: str) -> np.ndarray:
+        return self._where[name].read_bits(name)
 
     def close(self) -> None:
         for file in self.files:

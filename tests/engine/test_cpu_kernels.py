@@ -27,6 +27,7 @@ from duet.engine.quant import trellis as T
 from duet.engine.quant.activation import quantize_int8_blocks, round_to_bf16
 from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.w4 import W4Weight, unpack_levels
+from duet.engine.weights import BF16Matrix
 
 GGUF_TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
 F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}
@@ -206,7 +207,8 @@ def test_one_unit_equals_numpy_bit_for_bit():
     lambda: (random_w4(64, 1024, 12), "w4a8"),
     lambda: (random_trellis(64, 1024, 3, 13), "w4a8"),
     lambda: (np.random.default_rng(14).standard_normal((64, 1000)).astype(np.float32), "bf16"),
-], ids=["q4_0", "q8_0", "q4_k", "q6_k", "w4a16", "w4a8", "trellis", "dense"])
+    lambda: (random_bf16(66, 1000, 15), "bf16"),
+], ids=["q4_0", "q8_0", "q4_k", "q6_k", "w4a16", "w4a8", "trellis", "dense", "bf16 bits"])
 def test_a_token_row_has_the_same_bits_alone_and_among_others(make):
     weight, route = make()
     linear = compiled.make_linear(weight, route)
@@ -255,6 +257,45 @@ def test_dense_rows_within_the_sum_bound_and_prefill_through_blas():
     for rows in (1, 7, 16, 33):
         x = activations(rows, 1000, seed=rows)
         assert_within_sum_bound(linear(x), weight.astype(np.float64), x.astype(np.float64), terms=1000)
+
+
+def random_bf16(N: int, K: int, seed: int) -> BF16Matrix:
+    """A bf16 matrix as a checkpoint stores it: torch rounds random fp32 to bf16 and gives the bits."""
+    import torch
+
+    values = torch.from_numpy(np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32))
+    return BF16Matrix(values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+
+
+def test_bf16_matrices_run_from_their_bits_within_the_sum_bound():
+    """A bf16 checkpoint's matrix stays 2 bytes a weight (BF16Matrix) and runs from its bits: decode,
+    verify and prefill rows within the fp32 summation bound of a float64 product with torch's own
+    bf16 -> fp32 widening, the numpy reference (which widens once) within the same bound."""
+    import torch
+
+    weight = random_bf16(70, 1000, seed=16)  # 70: a last group of 2 rows
+    linear = compiled.make_linear(weight, "bf16")
+    assert type(linear) is compiled.BF16Linear and linear.nbytes == 70 * 1000 * 2
+    w64 = torch.from_numpy(weight.bits.view(np.int16)).view(torch.bfloat16).double().numpy()
+    for rows in (1, 4, 16, 33):
+        x = activations(rows, 1000, seed=rows)
+        assert_within_sum_bound(linear(x), w64, x.astype(np.float64), terms=1000)
+        assert_within_sum_bound(cpu.make_linear(weight, "bf16")(x), w64, x.astype(np.float64), terms=1000)
+
+
+def test_a_bf16_checkpoint_loads_its_matrices_as_bits(tmp_path):
+    """Loading a bf16 safetensors model keeps every Linear and the embedding at 2 bytes a weight
+    (an fp32 copy was twice the file), the tied head reading the embedding's own bits."""
+    from conftest import build_reference, save_reference
+    from duet.engine import load_model
+
+    save_reference(build_reference("qwen3_5", tie=True, seed=2).to(dtype=__import__("torch").bfloat16), tmp_path,
+                   with_tokenizer=False)
+    model = load_model(tmp_path, tokenizer=False).model
+    assert isinstance(model.embed, BF16Matrix) and type(model.lm_head) is compiled.BF16Linear
+    assert np.shares_memory(model.lm_head.bits, model.embed.bits)
+    mixer = model.layers[0].mixer
+    assert type(mixer.in_proj) is compiled.BF16Linear and mixer.in_proj.nbytes == 2 * np.prod(mixer.in_proj.shape)
 
 
 def test_the_numpy_reference_runs_when_asked(monkeypatch):
