@@ -42,7 +42,7 @@ from duet.engine.quant.activation import ACT_BLOCK, INT8_MAX, round_to_bf16
 from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations
 from duet.engine.quant.w4 import GROUP, W4Weight
-from duet.engine.checkpoint.safetensors import bf16_to_f32, release_file_pages
+from duet.engine.checkpoint.safetensors import release_file_pages
 from duet.engine.weights import BF16Matrix
 
 CACHE_DIR = Path(platformdirs.user_cache_dir("duet")) / "numba"
@@ -130,19 +130,15 @@ if _numba:
         return decode_f16
 
 
-def as_float32(bits):
-    """The fp32 whose bit pattern is the low 32 bits of `bits` (numpy callers; compiled code gets the
-    intrinsic below: a reinterpretation in the register, no conversion, which LLVM vectorizes)."""
-    return np.uint32(bits & 0xFFFFFFFF).view(np.float32)
-
-
 if _numba:
     import llvmlite.ir
     from numba.extending import intrinsic
 
     @intrinsic
-    def as_float32(typingctx, bits):  # noqa: F811 (the compiled form of the function above)
-        """Any unsigned integer (numba widens uint32 arithmetic to uint64): its low 32 bits."""
+    def as_float32(typingctx, bits):
+        """In compiled code: the fp32 whose bit pattern is the low 32 bits of the unsigned integer
+        `bits` (numba widens uint32 arithmetic to uint64), a reinterpretation in the register that
+        LLVM vectorizes, no conversion."""
         if not isinstance(bits, _numba.types.Integer) or bits.signed or bits.bitwidth < 32:
             return None
 
