@@ -292,7 +292,7 @@ def _ggml_size(name: str, dims: tuple[int, ...], ggml_type: int, room: int, sour
 
 # --- the hub ----------------------------------------------------------------------------------------
 
-def read_remote_headers(spec: str, revision: str = "main", patterns: tuple[str, ...] = ()) -> CheckpointHeaders:
+def read_remote_headers(spec: str, revision: str, patterns: tuple[str, ...]) -> CheckpointHeaders:
     """`owner/name` (safetensors with config.json, or the repo's one GGUF model) or `owner/name/file.gguf`."""
     repo, wanted = _split_spec(spec)
     with Hub(repo, revision) as hub:

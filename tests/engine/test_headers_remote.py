@@ -152,10 +152,12 @@ def test_remote_gguf_reads_the_header_and_at_most_one_block_past_it(tmp_path, mo
     (tmp_path / "repo").mkdir()
     path = ho.write_27b_gguf(tmp_path / "repo" / "Model-IQ4_XS.gguf")
     (tmp_path / "repo" / "mmproj-F16.gguf").write_bytes(b"GGUF")  # a vision projector is never the model
+    (tmp_path / "repo" / "config.json").write_text("{}")  # a config.json without safetensors: still a GGUF repo
     with HeaderHub({"someone/model-gguf": tmp_path / "repo"}) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
         remote = read_headers("someone/model-gguf")
     local = read_headers(str(path))
+    assert remote.source == "someone/model-gguf" and remote.config == local.config
     assert {n: (t.dtype, t.shape, t.begin) for n, t in remote.tensors.items()} == \
            {n: (t.dtype, t.shape, t.begin) for n, t in local.tensors.items()}
     data_start = min(t.begin for t in local.tensors.values())
