@@ -86,28 +86,31 @@ def alarm(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def assert_one_line(error: Exception) -> None:
+def assert_one_line(error: Exception, source: str | None = None) -> None:
     message = str(error)
     assert message and message.isprintable() and message.splitlines() == [message], repr(message)
+    assert source is None or message.startswith(f"{source}: "), f"{message!r} does not name {source}"
 
 
-def outcome(read, size: int, errors=CheckpointError, overhead: int | None = OVERHEAD, hang_s: float = HANG_S):
-    """What `read()` returns, or None when it refused the file with one line of `errors`. Any other
-    exception propagates and fails the example; so do a hang and a peak allocation past 2 size + overhead
-    (overhead None: not measured, tracemalloc slows the gguf package's reader fourfold)."""
+def outcome(read, size: int, errors=CheckpointError, overhead: int | None = OVERHEAD, hang_s: float = HANG_S,
+            source: str | None = None):
+    """What `read()` returns, or None when it refused the file with one line of `errors` (starting with
+    `source: `, the file it names, when given). Any other exception propagates and fails the example;
+    so do a hang and a peak allocation past 2 size + overhead (overhead None: not measured,
+    tracemalloc slows the gguf package's reader fourfold)."""
     if overhead is None:
         with alarm(hang_s):
             try:
                 return read()
             except errors as error:
-                assert_one_line(error)
+                assert_one_line(error, source)
                 return None
     tracemalloc.start()
     try:
         with alarm(HANG_S):
             result = read()
     except errors as error:
-        assert_one_line(error)
+        assert_one_line(error, source)
         result = None
     finally:
         peak = tracemalloc.get_traced_memory()[1]
@@ -196,7 +199,7 @@ def raw_headers(draw_json) -> bytes:
 def check_safetensors(path: Path, blob: bytes):
     """The property for one file, through the loader; the file's tensors, or None when refused."""
     path.write_bytes(blob)
-    file = outcome(lambda: SafetensorsFile(path), len(blob))
+    file = outcome(lambda: SafetensorsFile(path), len(blob), source=str(path))
     if file is None:
         return None
     header_end = 8 + int.from_bytes(blob[:8], "little")
@@ -440,9 +443,9 @@ def check_gguf(path: Path, blob: bytes):
     """The property for one GGUF file, through the header reader as read_headers and as the loader read it
     (long arrays kept); where ours and the gguf package both read it, the same tensors."""
     path.write_bytes(blob)
-    found = outcome(lambda: read_gguf_header(path), len(blob))
-    outcome(lambda: read_headers(str(path)), len(blob))
-    loaded = outcome(lambda: read_gguf_header(path, arrays=True), len(blob))
+    found = outcome(lambda: read_gguf_header(path), len(blob), source=str(path))
+    outcome(lambda: read_headers(str(path)), len(blob), source=str(path))
+    loaded = outcome(lambda: read_gguf_header(path, arrays=True), len(blob), source=str(path))
     if found is None:
         assert loaded is None, "the loader reads a file the header reader refuses"
         return None
