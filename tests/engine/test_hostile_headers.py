@@ -513,6 +513,27 @@ def test_huge_declared_gguf_lengths_allocate_nothing_and_end(work, what):
     assert check_gguf(work / "model.gguf", blob) is None
 
 
+def refused_gguf(case: str) -> bytes:
+    """The valid file with one fault in a part the fuzzing above reaches only by chance."""
+    spec = valid_gguf_spec()
+    if case == "a skipped string past the end":  # stepped over undecoded (arrays=False): its length is still checked
+        strings = [gguf_str(b"s%d" % i) for i in range(1100)] + [gguf_str(b"ab", 2**40)]  # long: never decoded
+        spec["keys"].append([b"duet.test.strings", ARRAY, array(STRING, strings)])
+        spec["n_keys"] += 1
+    else:  # "rows not whole blocks": a Q8_0 tensor whose rows hold 33 values
+        spec["tensors"][1][1] = [33, 2]
+    return encode_gguf(spec)
+
+
+@pytest.mark.parametrize("case", ["a skipped string past the end", "rows not whole blocks"])
+def test_faults_deep_in_a_gguf_header_are_refused_naming_the_file(work, case):
+    path = work / "model.gguf"
+    path.write_bytes(refused_gguf(case))
+    with pytest.raises(CheckpointError) as refused:
+        read_gguf_header(path)
+    assert_one_line(refused.value, str(path))
+
+
 def with_key(key: bytes, vtype: int, payload: bytes, drop: tuple[bytes, ...] = ()) -> bytes:
     """The valid file with one key's value type and value replaced, and the keys `drop` left out."""
     spec = valid_gguf_spec()
