@@ -8,6 +8,7 @@ bytes that differ from the listing, repo file names that try to leave the models
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import shutil
 import signal
@@ -83,10 +84,13 @@ def wait_for(condition, pull: subprocess.Popen, what: str, timeout: float = 30) 
         time.sleep(0.02)
 
 
-def partial_bytes(models_dir) -> int:
-    """Bytes in huggingface_hub's .incomplete files under models_dir (files come and go as we look)."""
+def partial_bytes(models_dir, of: bytes) -> int:
+    """Bytes in huggingface_hub's .incomplete files of the file whose content is `of` under models_dir
+    (their names hold its ETag, the sha256 the hub gives an LFS file; files come and go as we look). Counting
+    every .incomplete file let a small file's transient one stand in for model.safetensors's: the test
+    then killed the pull before any of that file was written (a CI run failed so, 1 in ~10)."""
     total = 0
-    for path in models_dir.rglob("*.incomplete"):
+    for path in models_dir.rglob(f"*.{hashlib.sha256(of).hexdigest()}.*incomplete"):  # <name hash>.<etag>.<transfer>.incomplete
         try:
             total += path.stat().st_size
         except FileNotFoundError:
@@ -227,14 +231,14 @@ def test_sigkill_mid_pull_leaves_nothing_that_looks_complete_and_the_next_pull_s
     data = (tiny_folder / "model.safetensors").read_bytes()
     hub.gate["model.safetensors"] = threading.Event()  # the first 64 KiB, then the server holds the rest
     pull = start_pull()
-    wait_for(lambda: partial_bytes(models_dir) > 0, pull, "part of model.safetensors was written")
+    wait_for(lambda: partial_bytes(models_dir, data) > 0, pull, "part of model.safetensors was written")
     pull.kill()
     pull.wait(timeout=10)
     hub.gate["model.safetensors"].set()
     left = list(files_under(models_dir))
     assert left and all(path.parts[0] == STAGING for path in left), left
     assert not any(path.name == "model.safetensors" for path in left)
-    assert 0 < partial_bytes(models_dir) < len(data)
+    assert 0 < partial_bytes(models_dir, data) < len(data)
     assert not (models_dir / "duet-tests--tiny").exists()
     assert "duet-tests--tiny" not in listed_on_disk(capsys)
 
