@@ -86,8 +86,8 @@ def _jit(fastmath: bool = False):
 # makes the vector loops long enough to pay for themselves (K = 1024 has only 32 units a row).
 # Integer products are cast back to their narrow type at each step so that LLVM keeps them narrow
 # (numba widens integer arithmetic to int64, which turns a 16-lane multiply-add into 4-lane ones).
-# Integer dots are exact, so computing them straight from the codes (one token row) or from a
-# decoded scratch (several) gives the same bits; only the fp32 sums' order matters, and it is fixed.
+# Integer dots are exact, so the order their terms fold in does not matter; only the fp32 sums'
+# order does, and it is fixed by the matrix's shape alone.
 
 
 def unit_scales(row, scratch):
@@ -98,7 +98,8 @@ def unit_scales(row, scratch):
 
 
 if _numba:
-    from numba.extending import overload
+    import llvmlite.ir
+    from numba.extending import intrinsic, overload
 
     @overload(unit_scales, jit_options={"nogil": True})
     def _unit_scales_compiled(row, scratch):
@@ -129,11 +130,6 @@ if _numba:
 
         return decode_f16
 
-
-if _numba:
-    import llvmlite.ir
-    from numba.extending import intrinsic
-
     @intrinsic
     def as_float32(typingctx, bits):
         """In compiled code: the fp32 whose bit pattern is the low 32 bits of the unsigned integer
@@ -150,29 +146,6 @@ if _numba:
 
 
 @_jit()
-def _rescale(dots, scale, x_scale, terms, R, out, t, first):
-    """out[t, first + r] = sum over units v of fp32(dots[v*R + r]) * (scale[v*R + r] * x_scale[v*R + r])
-    for the R rows of a group (x_scale per lane: the unit's activation scale, repeated for the R rows).
-
-    Order, fixed by U and R alone (never by T or the thread split): the terms [L] are halved in place
-    while the count of units is even (units v and v + U/2 add, a vector op over all lanes), then
-    the m units left add in unit order. One chain of U dependent adds per row instead took ~165
-    of the ~390 ns a decode step spends on a group of 4 x 1024 Q4_0 weights; this takes ~40."""
-    n = dots.shape[0]
-    for i in range(n):
-        terms[i] = np.float32(dots[i]) * (scale[i] * x_scale[i])
-    while n % (2 * R) == 0:
-        n //= 2
-        for i in range(n):
-            terms[i] += terms[n + i]
-    for r in range(min(R, out.shape[1] - first)):
-        total = terms[r]
-        for v in range(1, n // R):
-            total += terms[v * R + r]
-        out[t, first + r] = total
-
-
-@_jit()
 def _fold(terms, L):
     """Sum terms [n] (n a multiple of L) down to terms[:L]: halves add while the count of L-runs
     is even (one vector loop each), then the runs left add in order. Integer sums are exact in any
@@ -185,6 +158,21 @@ def _fold(terms, L):
     for run in range(1, n // L):
         for i in range(L):
             terms[i] += terms[run * L + i]
+
+
+@_jit()
+def _rescale(dots, scale, x_scale, terms, R, out, t, first):
+    """out[t, first + r] = sum over units v of fp32(dots[v*R + r]) * (scale[v*R + r] * x_scale[v*R + r])
+    for the R rows of a group (x_scale per lane: the unit's activation scale, repeated for the R rows).
+
+    Order, fixed by U and R alone (never by T or the thread split): _fold's over the terms [L] in runs
+    of R (units v and v + U/2 add while the count of units is even, then the units left in order). One chain of U dependent adds per row instead took ~165
+    of the ~390 ns a decode step spends on a group of 4 x 1024 Q4_0 weights; this takes ~40."""
+    for i in range(dots.shape[0]):
+        terms[i] = np.float32(dots[i]) * (scale[i] * x_scale[i])
+    _fold(terms, R)
+    for r in range(min(R, out.shape[1] - first)):
+        out[t, first + r] = terms[r]
 
 
 @_jit()
@@ -337,11 +325,26 @@ def _int8_lanes(x, unit, R, pairs, q, x_scale, x_sum):
 DENSE_GROUP = 4  # weight rows a dense dot loop serves at once: each load of x feeds four products
 
 
+def weight_value(w):
+    """A dense weight as fp32: an fp32 as it is, bf16 bits moved to the top half of an fp32 (exact).
+    Compiled per dtype (numba's overload below), in the register the weight is used in."""
+    return w if w.dtype == np.float32 else np.uint32(np.uint32(w) << 16).view(np.float32)
+
+
+if _numba:
+    @overload(weight_value, jit_options={"nogil": True})
+    def _weight_value_compiled(w):
+        if w == _numba.types.uint16:
+            return lambda w: as_float32(np.uint32(w) << np.uint32(16))
+        return lambda w: w
+
+
 @_jit(fastmath=True)
-def _dense(weight, x, out, lo, hi):
-    """fp32 weight [N, K] against fp32 x [T, K], groups [lo, hi) of DENSE_GROUP weight rows. fastmath
-    lets LLVM split each dot into vector lanes; the split is fixed by K and the compiled loop a weight
-    row runs in (a full group's, or the last rows' one at a time), the same for every token row."""
+def _dense_groups(weight, x, out, lo, hi):
+    """Weight [N, K] (fp32, or bf16 bits: weight_value) against fp32 x [T, K], groups [lo, hi) of
+    DENSE_GROUP weight rows. fastmath lets LLVM split each dot into vector lanes; the split is fixed
+    by K and the compiled loop a weight row runs in (a full group's, or the last rows' one at a
+    time), the same for every token row."""
     T, K = x.shape
     N = weight.shape[0]
     for g in range(lo, hi):
@@ -351,45 +354,40 @@ def _dense(weight, x, out, lo, hi):
                 acc0 = acc1 = acc2 = acc3 = np.float32(0)
                 for k in range(K):
                     xk = x[t, k]
-                    acc0 += weight[n, k] * xk
-                    acc1 += weight[n + 1, k] * xk
-                    acc2 += weight[n + 2, k] * xk
-                    acc3 += weight[n + 3, k] * xk
+                    acc0 += weight_value(weight[n, k]) * xk
+                    acc1 += weight_value(weight[n + 1, k]) * xk
+                    acc2 += weight_value(weight[n + 2, k]) * xk
+                    acc3 += weight_value(weight[n + 3, k]) * xk
                 out[t, n], out[t, n + 1], out[t, n + 2], out[t, n + 3] = acc0, acc1, acc2, acc3
             else:
                 for row in range(n, N):
                     acc = np.float32(0)
                     for k in range(K):
-                        acc += weight[row, k] * x[t, k]
+                        acc += weight_value(weight[row, k]) * x[t, k]
                     out[t, row] = acc
 
 
 @_jit(fastmath=True)
+def _dense(weight, x, out, lo, hi):
+    """fp32 weight [N, K]: _dense_groups."""
+    _dense_groups(weight, x, out, lo, hi)
+
+
+@_jit(fastmath=True)
 def _dense_bf16(bits, x, out, lo, hi):
-    """bf16 weight bits [N, K] against fp32 x [T, K], as _dense: a weight is its bits moved to the
-    top half of an fp32 (exact) in the register it is used in, so a pass reads 2 bytes a weight;
-    the same dot loops, so the same bits as _dense on the widened matrix."""
-    T, K = x.shape
-    N = bits.shape[0]
-    sixteen = np.uint32(16)
-    for g in range(lo, hi):
-        n = g * DENSE_GROUP
-        for t in range(T):
-            if n + DENSE_GROUP <= N:
-                acc0 = acc1 = acc2 = acc3 = np.float32(0)
-                for k in range(K):
-                    xk = x[t, k]
-                    acc0 += as_float32(np.uint32(bits[n, k]) << sixteen) * xk
-                    acc1 += as_float32(np.uint32(bits[n + 1, k]) << sixteen) * xk
-                    acc2 += as_float32(np.uint32(bits[n + 2, k]) << sixteen) * xk
-                    acc3 += as_float32(np.uint32(bits[n + 3, k]) << sixteen) * xk
-                out[t, n], out[t, n + 1], out[t, n + 2], out[t, n + 3] = acc0, acc1, acc2, acc3
-            else:
-                for row in range(n, N):
-                    acc = np.float32(0)
-                    for k in range(K):
-                        acc += as_float32(np.uint32(bits[row, k]) << sixteen) * x[t, k]
-                    out[t, row] = acc
+    """bf16 weight bits [N, K]: _dense_groups, reading 2 bytes a weight; the same dot loops, so the
+    same bits as _dense on the widened matrix."""
+    _dense_groups(bits, x, out, lo, hi)
+
+
+def _dense_rows(kernel, weight: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Up to MAX_ROWS token rows through a dense kernel: one weight read for all rows, each row's bits
+    as when alone, the weight's row groups split between the cores when the product pays for it."""
+    N, K = weight.shape
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty((x.shape[0], N), np.float32)
+    in_parallel(lambda lo, hi: kernel(weight, x, out, lo, hi), -(-N // DENSE_GROUP), split=N * K >= SPLIT_MIN_WEIGHTS, blas=False)
+    return out
 
 
 @_jit()
@@ -752,12 +750,7 @@ class DenseLinear(cpu.DenseLinear):
     def __call__(self, x: np.ndarray) -> np.ndarray:
         if x.shape[0] > MAX_ROWS:
             return super().__call__(x)
-        N, K = self.weight.shape
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        out = np.empty((x.shape[0], N), np.float32)
-        groups = -(-N // DENSE_GROUP)
-        in_parallel(lambda lo, hi: _dense(self.weight, x, out, lo, hi), groups, split=N * K >= SPLIT_MIN_WEIGHTS, blas=False)
-        return out
+        return _dense_rows(_dense, self.weight, x)
 
 
 class BF16Linear(cpu.Linear):
@@ -781,14 +774,11 @@ class BF16Linear(cpu.Linear):
         return self.bits.nbytes
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if x.shape[0] <= MAX_ROWS:
+            return _dense_rows(_dense_bf16, self.bits, x)
         N, K = self.bits.shape
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], N), np.float32)
-        if x.shape[0] <= MAX_ROWS:
-            groups = -(-N // DENSE_GROUP)
-            in_parallel(lambda lo, hi: _dense_bf16(self.bits, x, out, lo, hi), groups, split=N * K >= SPLIT_MIN_WEIGHTS, blas=False)
-            return out
-
         by_weight_row = np.empty((N, x.shape[0]), np.float32)
 
         def weight_rows(lo: int, hi: int) -> None:  # W @ x^T, as cpu.DenseLinear's prefill (its faster order)

@@ -35,7 +35,7 @@ Decoded = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # levels [n, subs, s
 IQ4_KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
-def f16_field(raw: np.ndarray) -> np.ndarray:
+def _f16(raw: np.ndarray) -> np.ndarray:
     """A block's 2-byte f16 field, bytes [..., 2] -> fp32 [..., 1]."""
     return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
 
@@ -47,12 +47,12 @@ def _nibbles(raw: np.ndarray, run: int) -> np.ndarray:
 
 
 def decode_q8_0(blocks: np.ndarray) -> Decoded:
-    return np.ascontiguousarray(blocks[:, 2:]).view(np.int8)[:, None, :], f16_field(blocks[:, :2]), None
+    return np.ascontiguousarray(blocks[:, 2:]).view(np.int8)[:, None, :], _f16(blocks[:, :2]), None
 
 
 def decode_q4_0(blocks: np.ndarray) -> Decoded:
     levels = _nibbles(blocks[:, 2:], 16).astype(np.int8) - np.int8(8)
-    return levels.reshape(-1, 1, 32), f16_field(blocks[:, :2]), None
+    return levels.reshape(-1, 1, 32), _f16(blocks[:, :2]), None
 
 
 def k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -69,7 +69,7 @@ def k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc, m = k_scale_min(blocks[:, 4:16])
-    return f16_field(blocks[:, :2]) * sc.astype(np.float32), f16_field(blocks[:, 2:4]) * m.astype(np.float32)
+    return _f16(blocks[:, :2]) * sc.astype(np.float32), _f16(blocks[:, 2:4]) * m.astype(np.float32)
 
 
 def decode_q4_k(blocks: np.ndarray) -> Decoded:
@@ -88,7 +88,7 @@ def decode_q6_k(blocks: np.ndarray) -> Decoded:
     low = _nibbles(blocks[:, :128], 64).reshape(-1, 8, 32)
     high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
     levels = (low | (high.reshape(-1, 8, 32) << np.uint8(4))).astype(np.int8) - np.int8(32)
-    scale = f16_field(blocks[:, 208:210]) * np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+    scale = _f16(blocks[:, 208:210]) * np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
     return levels.reshape(-1, 16, 16), scale, None
 
 
@@ -97,7 +97,7 @@ def decode_iq4_xs(blocks: np.ndarray) -> Decoded:
     low = (blocks[:, 4:8, None] >> np.array([0, 4], np.uint8)).reshape(-1, 8) & np.uint8(0xF)
     ls = (low | ((high & 3).astype(np.uint8) << np.uint8(4))).astype(np.int8) - np.int8(32)
     levels = IQ4_KVALUES[_nibbles(blocks[:, 8:], 16).reshape(-1, 8, 32)]
-    return levels, f16_field(blocks[:, :2]) * ls.astype(np.float32), None
+    return levels, _f16(blocks[:, :2]) * ls.astype(np.float32), None
 
 
 @dataclass(frozen=True)
