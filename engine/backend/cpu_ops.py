@@ -147,9 +147,14 @@ def causal_conv(mixed: np.ndarray, taps: np.ndarray, state: DeltaNetState) -> np
             silu(o, out=o)
 
     in_parallel(channels, mixed.shape[1], split=T > MAX_ROWS)
-    state.window = window if T <= MAX_ROWS else None  # kept for a verify rollback only
-    state.conv = window[T:].copy()
+    _advance_conv(state, window, T)
     return out
+
+
+def _advance_conv(state: DeltaNetState, window: np.ndarray, T: int) -> None:
+    """The conv state after T new rows: the window's last K - 1 rows; a verify keeps the window to roll back."""
+    state.window = window if T <= MAX_ROWS else None
+    state.conv = window[T:].copy()
 
 
 def delta_rule_rows(q, k, v, beta, log_decay, state: DeltaNetState) -> np.ndarray:
@@ -326,13 +331,28 @@ class CpuOps:
     def concat(self, parts: list, axis: int = -1) -> np.ndarray:
         return np.concatenate(parts, axis=axis)
 
-    rms_norm = staticmethod(rms_norm)
     sigmoid = staticmethod(sigmoid)
 
+    @staticmethod
+    def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """rms_norm; up to MAX_ROWS rows (x [T, ..., D]) in one compiled pass."""
+        if x.shape[0] > MAX_ROWS or compiled.unavailable() or x.dtype != np.float32 or weight.shape != x.shape[-1:]:
+            return rms_norm(x, weight, eps)
+        rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+        out = np.empty_like(rows)
+        compiled.rms_norm_rows(rows, np.ascontiguousarray(weight, dtype=np.float32), np.float32(eps), out)
+        return out.reshape(x.shape)
+
     def swiglu(self, gate_up, x: np.ndarray) -> np.ndarray:
-        """silu(gate) * up of gate_up(x) as [T, I] (gate rows then up rows). The intermediate is kept
-        feature-major [I, T]: a prefill's gate/up product comes out that way without a transposing
-        copy, and the down projection reads the transposed view as a plain operand."""
+        """silu(gate) * up of gate_up(x) as [T, I] (gate rows then up rows). A prefill keeps the
+        intermediate feature-major [I, T]: its gate/up product comes out that way without a
+        transposing copy, and the down projection reads the transposed view as a plain operand.
+        Up to MAX_ROWS rows run token-major through one compiled pass."""
+        if x.shape[0] <= MAX_ROWS and not compiled.unavailable():
+            product = np.ascontiguousarray(gate_up(x), dtype=np.float32)
+            out = np.empty((x.shape[0], product.shape[1] // 2), np.float32)
+            compiled.swiglu_rows(product, out)
+            return out
         product = gate_up.by_feature(x)
         inner = product.shape[0] // 2
         hidden = np.empty((inner, x.shape[0]), np.float32)
@@ -352,8 +372,8 @@ class CpuOps:
         T, heads, kv_heads, hd = k.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q_and_gate = q_and_gate.reshape(T - first, heads, 2 * hd)
         q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(T - first, heads * hd)
-        q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
-        k = rms_norm(k.reshape(T, kv_heads, hd), layer.k_norm, c.rms_norm_eps)
+        q = self.rms_norm(q, layer.q_norm, c.rms_norm_eps)
+        k = self.rms_norm(k.reshape(T, kv_heads, hd), layer.k_norm, c.rms_norm_eps)
         v = v.reshape(T, kv_heads, hd)
         cos, sin = rope_tables(np.arange(start, start + T), c.rotary_dim, c.rope_theta)
         q, k = apply_rope(q, cos[first:], sin[first:]), apply_rope(k, cos, sin)
@@ -385,7 +405,7 @@ class CpuOps:
         hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         per_key = hv // hk  # value head h reads key head h // per_key: each key head repeated, not tiled
         channels = 2 * hk * dk + hv * dv
-        mixed = causal_conv(projected[:, :channels], layer.conv, state)
+        mixed = self.causal_conv(projected[:, :channels], layer.conv, state)
         z = projected[:, channels : channels + hv * dv].reshape(T, hv, dv)
         b, a = projected[:, -2 * hv : -hv], projected[:, -hv:]  # [T, Hv]
         if T <= MAX_ROWS and not compiled.unavailable():
@@ -416,6 +436,18 @@ class CpuOps:
         if T > MAX_ROWS:
             state.recurrent = S
         return out.reshape(T, hv * dv)
+
+    @staticmethod
+    def causal_conv(mixed: np.ndarray, taps: np.ndarray, state: DeltaNetState) -> np.ndarray:
+        """causal_conv; up to MAX_ROWS rows in one compiled pass."""
+        T = mixed.shape[0]
+        if T > MAX_ROWS or compiled.unavailable():
+            return causal_conv(mixed, taps, state)
+        window = np.concatenate([state.conv, mixed], axis=0).astype(np.float32, copy=False)  # [K - 1 + T, C]
+        out = np.empty(mixed.shape, np.float32)
+        compiled.conv_rows(window, np.ascontiguousarray(taps.T, dtype=np.float32), out)
+        _advance_conv(state, window, T)
+        return out
 
     @staticmethod
     def _deltanet_rows_compiled(layer, mixed, z, b, a, state: DeltaNetState, per_key: int) -> np.ndarray:

@@ -380,9 +380,10 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     reports = []
     compiled.compile_kernels(lambda done, total: reports.append((done, total)))
     assert reports == [(i, len(reports)) for i in range(1, len(reports) + 1)] and len(reports) >= 5
-    kernels = [compiled._w4a8_nibbles, compiled._w4a8_bytes, compiled._w4a16_nibbles, compiled._dense, compiled.deltanet_heads]
+    kernels = [compiled._w4a8_nibbles, compiled._w4a8_bytes, compiled._w4a16_nibbles, compiled._dense, compiled.deltanet_heads,
+               compiled.rms_norm_rows, compiled.swiglu_rows, compiled.conv_rows]
     prepared = [len(kernel.signatures) for kernel in kernels]
-    assert prepared == [2, 2, 1, 1, 1]  # w4a8 kernels: fp32 scales and f16 bits (Q4_0, Q8_0)
+    assert prepared == [2, 2, 1, 1, 1, 1, 1, 1]  # w4a8 kernels: fp32 scales and f16 bits (Q4_0, Q8_0)
     models = Path(__file__).parents[2] / "models"
     for path in (models / "demo", models / "demo_int4", models / "demo_gguf" / "demo-q8_0.gguf"):
         lm = load_model(path)

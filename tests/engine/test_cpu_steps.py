@@ -1,0 +1,122 @@
+"""The compiled per-row steps of a decode or verify pass (engine/backend/compiled.py: exp_f32,
+rms_norm_rows, swiglu_rows, conv_rows) against float64 formulas written here from REFERENCE.md's
+definitions, not from the kernels.
+
+Bounds: U = 2^-24 is fp32's unit roundoff. A sum of n terms in any order is within n U sum|terms| of
+the exact sum (Higham); each further fp32 operation adds at most U relative; exp_f32 is within 2 ulp
+(<= 4 U relative, as an ulp is at most 2 U of the value). Rows: each row's bits are the same alone
+and among up to 16 rows, which keeps exact acceptance exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numba
+import pytest
+
+from duet.engine.backend import compiled
+from duet.engine.backend.cpu_ops import CpuOps
+from duet.engine.cache import DeltaNetState
+
+U = 2.0**-24
+
+
+@numba.njit
+def _exp_each(x, out):
+    for i in range(x.shape[0]):
+        out[i] = compiled.exp_f32(x[i])
+
+
+def test_exp_is_within_two_ulp_of_float64_exp():
+    x = np.concatenate([np.linspace(-87, 88, 1_000_001, dtype=np.float32), np.float32([-87, -1e-30, 0, 1e-30, 88])])
+    got = np.empty_like(x)
+    _exp_each(x, got)
+    want = np.exp(x.astype(np.float64))
+    ulps = np.abs(got - want) / np.spacing(want.astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 2.0, f"{ulps.max():.2f} ulp"
+    assert got[-3] == 1.0
+
+
+def test_exp_clamps_outside_the_normal_range():
+    """Below -87 the result stays a tiny normal float (no subnormal slow path), above 88 finite."""
+    x = np.float32([-1000, -100, 100, 1000])
+    got = np.empty_like(x)
+    _exp_each(x, got)
+    assert np.all(got[:2] > 0) and np.all(got[:2] < 1e-37) and np.all(got[:2] >= np.finfo(np.float32).tiny)
+    assert np.all(np.isfinite(got[2:])) and np.all(got[2:] > 1e38)
+
+
+def rows_alone_and_together(kernel, inputs: list[np.ndarray], out_shape: tuple[int, ...]) -> np.ndarray:
+    """The kernel over all rows at once; asserts each row gives the same bits run alone."""
+    together = np.empty(out_shape, np.float32)
+    kernel(*inputs, together)
+    for t in range(out_shape[0]):
+        alone = np.empty((1, *out_shape[1:]), np.float32)
+        kernel(*[x[t : t + 1] if x.ndim == 2 and x.shape[0] == out_shape[0] else x for x in inputs], alone)
+        np.testing.assert_array_equal(alone[0], together[t])
+    return together
+
+
+def silu64(x: np.ndarray) -> np.ndarray:
+    return x / (1 + np.exp(-x))
+
+
+@pytest.mark.parametrize("D", [64, 256, 1000])
+def test_rms_norm_rows_within_the_bound_of_float64(D):
+    rng = np.random.default_rng(D)
+    x = (rng.standard_normal((16, D)) * rng.uniform(0.01, 100, (16, 1))).astype(np.float32)
+    weight = rng.standard_normal(D).astype(np.float32)
+    eps = np.float32(1e-6)
+    got = np.empty_like(x)
+    compiled.rms_norm_rows(x, weight, eps, got)
+    for t in range(16):
+        alone = np.empty((1, D), np.float32)
+        compiled.rms_norm_rows(x[t : t + 1], weight, eps, alone)
+        np.testing.assert_array_equal(alone[0], got[t])
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + float(eps)) * weight
+    # mean of squares: D U relative (positive terms); the square root halves it; rsqrt, 2 products: 4 U
+    np.testing.assert_array_less(np.abs(got - want), (D / 2 + 5) * U * np.abs(want) + 1e-37)
+
+
+def test_swiglu_rows_within_the_bound_of_float64():
+    rng = np.random.default_rng(3)
+    gate_up = (rng.standard_normal((16, 2 * 300)) * 6).astype(np.float32)
+    got = rows_alone_and_together(compiled.swiglu_rows, [gate_up], (16, 300))
+    g, u = gate_up[:, :300].astype(np.float64), gate_up[:, 300:].astype(np.float64)
+    want = silu64(g) * u
+    # exp 4 U, 1 + e <= 4 U (its share of e), the division and the product: 10 U
+    np.testing.assert_array_less(np.abs(got - want), 10 * U * np.abs(want) + 1e-37)
+
+
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_conv_rows_within_the_bound_of_float64(T):
+    rng = np.random.default_rng(T)
+    K, C = 4, 96
+    window = (rng.standard_normal((K - 1 + T, C)) * 3).astype(np.float32)
+    taps = rng.standard_normal((C, K)).astype(np.float32)
+    got = np.empty((T, C), np.float32)
+    compiled.conv_rows(window, np.ascontiguousarray(taps.T), got)
+    terms = np.stack([window[j : j + T].astype(np.float64) * taps[:, j] for j in range(K)])  # [K, T, C]
+    total = terms.sum(axis=0)
+    want = silu64(total)
+    # the tap sum's error (K U sum|terms|) goes through SiLU, whose slope is below 1.1; then 10 U as SwiGLU
+    bound = 1.1 * K * U * np.abs(terms).sum(axis=0) + 10 * U * np.abs(want) + 1e-37
+    np.testing.assert_array_less(np.abs(got - want), bound)
+
+
+def test_a_verify_rows_conv_has_each_rows_decode_bits_and_rolls_forward_the_state():
+    """CpuOps.causal_conv (compiled for up to 16 rows): T rows at once give the bits of T one-row
+    steps, and leave the same conv state."""
+    rng = np.random.default_rng(5)
+    K, C, T = 4, 64, 5
+    taps = rng.standard_normal((C, K)).astype(np.float32)
+    start = rng.standard_normal((K - 1, C)).astype(np.float32)
+    mixed = rng.standard_normal((T, C)).astype(np.float32)
+    together, stepped = DeltaNetState(C, K, 1, 4, 4), DeltaNetState(C, K, 1, 4, 4)
+    together.conv, stepped.conv = start.copy(), start.copy()
+    all_rows = CpuOps.causal_conv(mixed, taps, together)
+    one_by_one = np.concatenate([CpuOps.causal_conv(mixed[t : t + 1], taps, stepped) for t in range(T)])
+    np.testing.assert_array_equal(all_rows, one_by_one)
+    np.testing.assert_array_equal(together.conv, stepped.conv)
+    np.testing.assert_array_equal(together.conv, mixed[-(K - 1) :])
