@@ -53,6 +53,9 @@ KERNELS_ENV = "DUET_CPU_KERNELS"  # "numpy" runs the numpy reference Linears ins
 SPLIT_MIN_WEIGHTS = 1 << 20
 
 
+_CPU_FEATURES: set[str] = set()  # what LLVM reports of this CPU (avx2, avx512vnni, ...)
+
+
 def _load_numba():
     """numba, with its on-disk cache pointed at ours; None when it cannot be imported."""
     os.environ.setdefault("NUMBA_CACHE_DIR", str(CACHE_DIR))
@@ -61,6 +64,7 @@ def _load_numba():
     except ImportError:
         return None
     features = llvmlite.binding.get_host_cpu_features()
+    _CPU_FEATURES.update(name for name, present in features.items() if present)
     if all(features.get(f) for f in ("avx512f", "avx512bw", "avx512vl")):
         # LLVM vectorizes with 256-bit registers on AVX-512 CPUs unless told otherwise (for the clock
         # drop of older Xeons). Full-width vectors, measured on one Emerald Rapids core: the Q4_0
@@ -83,6 +87,14 @@ def unavailable() -> str | None:
     if _numba is None:
         return "numba is not installed: the numpy reference Linears run (pip install numba for ~10x faster CPU decoding)"
     return None
+
+
+def int8_dot_kernels() -> list[str]:
+    """The integer-dot kernel families this CPU runs, the default first: "vnni" (AVX512-VNNI's
+    vpdpbusd, 64 byte products an instruction) where the CPU has it, and always "generic" (plain
+    loops that LLVM vectorizes). Their integer dots are exact, so both give the same bits."""
+    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= _CPU_FEATURES
+    return ["vnni", "generic"] if vnni else ["generic"]
 
 
 def _jit(fastmath: bool = False, inline: str = "never"):
@@ -157,6 +169,77 @@ if _numba:
             return builder.bitcast(low, llvmlite.ir.FloatType())
 
         return _numba.types.float32(bits), codegen
+
+    DPBUSD_BLOCK = 4  # 16-lane columns summed side by side: vpdpbusd's 5-cycle latency hides behind 4 chains
+
+    def _dpbusd_columns(nibbles: bool):
+        """The intrinsic below, for byte planes or (nibbles) for planes of two levels a byte."""
+
+        def dpbusd_columns(typingctx, plane, x, dots, x_at, quads, lanes):
+            """In compiled code, on AVX512-VNNI only (LLVM cannot emit it elsewhere: call it only when
+            int8_dot_kernels() offers "vnni"): dots[c] for lanes c < lanes // 16 * 16 = the sum over
+            quads p of the 4 products of plane's bytes (p * lanes + c) * 4 + s (uint8) with x's bytes
+            x_at + (p * lanes + c) * 4 + s (int8), s = 0..3. One vpdpbusd multiplies 64 byte pairs and
+            adds each 4 into an int32 lane; accumulators stay in registers, DPBUSD_BLOCK columns at a
+            time. The nibble form takes each plane byte's low nibble against x as above and its high
+            nibble against the x byte one plane (quads * lanes * 4 bytes) further on, into the same sum.
+            plane uint8, x int8, dots int32: 1-D C arrays; lanes past the last whole 16 are left alone."""
+            types = _numba.types
+            if (plane.dtype, x.dtype, dots.dtype) != (types.uint8, types.int8, types.int32):
+                return None
+            signature = types.void(plane, x, dots, types.intp, types.intp, types.intp)
+
+            def codegen(context, builder, signature, args):
+                from numba.core import cgutils
+
+                ir = llvmlite.ir
+                plane_v, x_v, dots_v, x_at, quads_v, lanes_v = args
+                vector = ir.VectorType(ir.IntType(32), 16)  # 64 bytes seen as 16 int32 lanes
+                intp = context.get_value_type(types.intp)
+                const = lambda v: ir.Constant(intp, v)  # noqa: E731
+                low_nibbles, four = ir.Constant(vector, [0x0F0F0F0F] * 16), ir.Constant(vector, [4] * 16)
+                vpdpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                                          "llvm.x86.avx512.vpdpbusd.512")
+                data = [context.make_array(t)(context, builder, v).data for t, v in zip(signature.args[:3], args[:3])]
+                plane_bytes = builder.mul(builder.mul(quads_v, lanes_v), const(4))
+                accumulators = [cgutils.alloca_once(builder, vector) for _ in range(DPBUSD_BLOCK)]
+
+                def load(array, at):
+                    return builder.load(builder.bitcast(builder.gep(array, [at]), vector.as_pointer()), align=1)
+
+                def columns_from(first, count: int) -> None:
+                    for acc in accumulators[:count]:
+                        builder.store(ir.Constant(vector, None), acc)
+                    with cgutils.for_range(builder, quads_v) as p:
+                        for j in range(count):
+                            lane = builder.mul(builder.add(first, const(j)), const(16))
+                            byte = builder.mul(builder.add(builder.mul(p.index, lanes_v), lane), const(4))
+                            codes, at = load(data[0], byte), builder.add(x_at, byte)
+                            acc = builder.load(accumulators[j])
+                            if nibbles:  # shifting each 32-bit lane by 4 moves every byte's high nibble down
+                                high = builder.and_(builder.lshr(codes, four), low_nibbles)
+                                acc = builder.call(vpdpbusd, [acc, high, load(data[1], builder.add(at, plane_bytes))])
+                                codes = builder.and_(codes, low_nibbles)
+                            builder.store(builder.call(vpdpbusd, [acc, codes, load(data[1], at)]), accumulators[j])
+                    for j in range(count):
+                        out = builder.gep(data[2], [builder.mul(builder.add(first, const(j)), const(16))])
+                        builder.store(builder.load(accumulators[j]), builder.bitcast(out, vector.as_pointer()), align=1)
+
+                columns = builder.sdiv(lanes_v, const(16))
+                blocks = builder.sdiv(columns, const(DPBUSD_BLOCK))
+                with cgutils.for_range(builder, blocks) as block:
+                    columns_from(builder.mul(block.index, const(DPBUSD_BLOCK)), DPBUSD_BLOCK)
+                done = builder.mul(blocks, const(DPBUSD_BLOCK))
+                with cgutils.for_range(builder, builder.sub(columns, done)) as rest:
+                    columns_from(builder.add(done, rest.index), 1)
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        return intrinsic(dpbusd_columns)
+
+    dpbusd_columns = _dpbusd_columns(nibbles=False)
+    dpbusd_nibble_columns = _dpbusd_columns(nibbles=True)
 
 
 @_jit(fastmath=True, inline="always")  # inlined into numba's IR: a call left to LLVM stops the vectorizer
@@ -260,7 +343,6 @@ def _w4a8_bytes(codes, scale, minimum, x, x_scale, x_sum, R, out, lo, hi):
     positions of a lane (j, j + unit/4, j + unit/2, j + 3 unit/4; unit is 16, 32 or 128), and the
     terms fold in int32."""
     T, quarter, L = x.shape[0], codes.shape[1] // 4, scale.shape[1]
-    U = L // R
     terms32, terms, acc = np.empty(quarter, np.int32), np.empty(L, np.float32), np.empty(R, np.float32)
     scratch = np.empty(L, np.uint32)
     for g in range(lo, hi):
@@ -274,13 +356,85 @@ def _w4a8_bytes(codes, scale, minimum, x, x_scale, x_sum, R, out, lo, hi):
                               + np.int32(np.int16(np.int16(c1[i]) * x1[i]) + np.int16(np.int16(c3[i]) * x3[i])))
             _fold(terms32, L)
             _rescale(terms32[:L], group_scale, x_scale[t], terms, R, out, t, g * R)
-        for t in range(T if minimum.shape[1] > 0 else 0):
-            acc[:] = 0
-            for v in range(U):
-                for r in range(R):
-                    acc[r] += (x_sum[t, v] * x_scale[t, v * R]) * minimum[g, v * R + r]
-            for r in range(min(R, out.shape[1] - g * R)):
-                out[t, g * R + r] -= acc[r]
+        _subtract_minimum(minimum, g, x_sum, x_scale, R, acc, out)
+
+
+@_jit()
+def _subtract_minimum(minimum, g, x_sum, x_scale, R, acc, out):
+    """For types with a minimum (minimum fp32 [G, L]; [G, 0] when there is none): out[t, n] -= sum_v
+    (x_sum[t, v] * x_scale[t, v*R]) * minimum[g, v*R + r] for group g's rows n = g*R + r, in unit order."""
+    T, U = x_sum.shape[0] if minimum.shape[1] > 0 else 0, x_sum.shape[1]
+    for t in range(T):
+        acc[:] = 0
+        for v in range(U):
+            for r in range(R):
+                acc[r] += (x_sum[t, v] * x_scale[t, v * R]) * minimum[g, v * R + r]
+        for r in range(min(R, out.shape[1] - g * R)):
+            out[t, g * R + r] -= acc[r]
+
+
+@_jit()
+def _quad_tail(plane, x, x_at, quads, dots):
+    """What dpbusd_columns leaves: dots[c] for the lanes past the last whole 16, the same sums in loops."""
+    L = dots.shape[0]
+    for c in range(L // 16 * 16, L):
+        total = np.int32(0)
+        for p in range(quads):
+            for s in range(4):
+                at = (p * L + c) * 4 + s
+                total += np.int32(plane[at]) * np.int32(x[x_at + at])
+        dots[c] = total
+
+
+@_jit()
+def _w4a8_nibble_quads(codes, scale, x, x_sum, x_scale, R, out, lo, hi):
+    """_w4a8_nibbles on AVX512-VNNI. codes uint8 [G, unit/8 * L * 4]: byte (p, lane, s) holds position
+    4p + s in its low nibble and unit/2 + 4p + s in its high one; x int8 [T, 2 * unit/8 * L * 4], the
+    low positions' quads then the high ones', laid out as the bytes; x_sum int32 [T, L]. Per row
+    dpbusd_nibble_columns sums both nibbles' products a lane, and dot = that - 8 x_sum:
+    _w4a8_nibbles' integers, so through _rescale its bits."""
+    T, n, L = x.shape[0], codes.shape[1], scale.shape[1]
+    quads = n // (4 * L)
+    low_levels, high_levels = np.empty(n, np.uint8), np.empty(n, np.uint8)  # for the lanes past the last 16
+    dots, high, terms, scratch = np.empty(L, np.int32), np.empty(L, np.int32), np.empty(L, np.float32), np.empty(L, np.uint32)
+    for g in range(lo, hi):
+        c, group_scale = codes[g], unit_scales(scale[g], scratch)
+        tail = L % 16 != 0
+        for i in range(n if tail else 0):
+            low_levels[i] = c[i] & np.uint8(15)
+            high_levels[i] = c[i] >> np.uint8(4)
+        for t in range(T):
+            xt = x[t]
+            dpbusd_nibble_columns(c, xt, dots, 0, quads, L)
+            if tail:
+                _quad_tail(low_levels, xt, 0, quads, dots)
+                _quad_tail(high_levels, xt, n, quads, high)
+                for i in range(L // 16 * 16, L):
+                    dots[i] += high[i]
+            for i in range(L):
+                dots[i] -= 8 * x_sum[t, i]
+            _rescale(dots, group_scale, x_scale[t], terms, R, out, t, g * R)
+
+
+@_jit()
+def _w4a8_byte_quads(codes, scale, minimum, x, x_scale, x_sum, lane_sum, R, out, lo, hi):
+    """_w4a8_bytes on AVX512-VNNI. codes uint8 [G, unit/4 * L * 4]: level + 128 at byte (p, lane, s)
+    for position 4p + s (vpdpbusd multiplies unsigned by signed bytes); x int8 [T, unit/4 * L * 4]
+    likewise; lane_sum int32 [T, L] (x_sum of each lane's unit). dot = the quads' sum - 128 lane_sum:
+    _w4a8_bytes' integers, then its rescale and minimum, so its bits."""
+    T, n, L = x.shape[0], codes.shape[1], scale.shape[1]
+    quads = n // (4 * L)
+    dots, terms, acc = np.empty(L, np.int32), np.empty(L, np.float32), np.empty(R, np.float32)
+    scratch = np.empty(L, np.uint32)
+    for g in range(lo, hi):
+        c, group_scale = codes[g], unit_scales(scale[g], scratch)
+        for t in range(T):
+            dpbusd_columns(c, x[t], dots, 0, quads, L)
+            _quad_tail(c, x[t], 0, quads, dots)
+            for i in range(L):
+                dots[i] -= 128 * lane_sum[t, i]
+            _rescale(dots, group_scale, x_scale[t], terms, R, out, t, g * R)
+        _subtract_minimum(minimum, g, x_sum, x_scale, R, acc, out)
 
 
 @_jit()
@@ -315,20 +469,28 @@ def _w4a16_nibbles(codes, scale, x, units, out, lo, hi):
                 out[t, g * R + r] = acc[r]
 
 
+def position_offsets(unit: int, half: int, width: int, L: int) -> np.ndarray:
+    """Where the kernels' layouts put position j of a unit, before its lane's own offset (lane * width):
+    a unit's positions in halves of `half` (unit/2 for the nibble kernels, whose bytes hold a low and
+    a high half; unit for the byte kernels), each half in runs of `width` adjacent positions a lane
+    (1: position-major; 2: pairs, _w4a8_nibbles; 4: quads, the vpdpbusd kernels), runs of L lanes.
+    int64 [unit]."""
+    j = np.arange(unit)
+    runs = j // half * (half // width) + j % half // width
+    return runs * L * width + j % width
+
+
 @_jit()
-def _int8_lanes(x, unit, R, pairs, q, x_scale, x_sum):
+def _int8_lanes(x, unit, R, offsets, width, q, x_scale, x_sum):
     """The w4a8 route's activations, laid out for the kernels in one pass (quantize_int8_blocks and
     TiledLinear.by_lanes in numpy, which took ~30 us a call, 110 calls a 0.8B step).
 
     x fp32 [T, K] -> q [T, unit * L] with L = U * R lanes (lane v * R + r: unit v, for each of R
-    rows), the int8 level of input v * unit + j at position j: position-major (j * L + lane, int16
-    q, for the byte kernels), or `pairs` (int8 q, for _w4a8_nibbles: positions 2p + s of the low
-    half at (p * L + lane) * 2 + s, then the high half's likewise). x_scale fp32 [T, L]: the scale
-    of the 32-input block holding the lane's unit (absmax / 127); x_sum fp32 [T, U]: each unit's sum
-    of levels. Levels round half to even (np.rint), as quantize_int8_blocks: the same bits."""
+    rows): the int8 level of input v * unit + j at offsets[j] + lane * width (position_offsets; int16
+    q for the position-major byte kernel, else int8). x_scale fp32 [T, L]: the scale of the 32-input
+    block holding the lane's unit (absmax / 127); x_sum fp32 [T, U]: each unit's sum of levels.
+    Levels round half to even (np.rint), as quantize_int8_blocks: the same bits."""
     T, K = x.shape
-    L = K // unit * R
-    half = unit // 2
     per_block = ACT_BLOCK // unit  # units an activation scale covers (2 for Q6_K's 16)
     for t in range(T):
         for b in range(K // ACT_BLOCK):
@@ -344,13 +506,9 @@ def _int8_lanes(x, unit, R, pairs, q, x_scale, x_sum):
                 for j in range(unit):
                     level = np.rint(x[t, u * unit + j] / safe)
                     total += level
-                    if pairs:
-                        at = (((j // half) * (half // 2) + (j % half) // 2) * L + u * R) * 2 + j % 2
-                        for r in range(R):
-                            q[t, at + 2 * r] = level
-                    else:
-                        for r in range(R):
-                            q[t, j * L + u * R + r] = level
+                    at = offsets[j] + u * R * width
+                    for r in range(R):
+                        q[t, at + width * r] = level
                 x_sum[t, u] = total
 
 
@@ -563,8 +721,10 @@ def conv_rows(window, taps_by_lag, out):
 class UnitPlanes:
     """A quantized matrix [N, K] as the kernels read it (module docstring, kernel shapes: lane v * R + r).
 
-    codes    uint8 [G, unit/4, L, 2] (`nibbles`: levels -8..7 + 8, two a byte: byte (p, lane, s) holds
-             positions 2p + s and unit/2 + 2p + s), or int8 [G, unit, L]
+    codes    `nibbles` (levels -8..7 + 8, two a byte): uint8 [G, unit/4, L, 2], byte (p, lane, s) holding
+             positions 2p + s and unit/2 + 2p + s; or, `quads`, [G, unit/8, L, 4] holding 4p + s and
+             unit/2 + 4p + s. Else one level a byte: int8 [G, unit, L]; or, `quads`, uint8
+             [G, unit/4, L, 4], level + 128 of position 4p + s (vpdpbusd's unsigned operand)
     scale    [G, L]: the weight scale of each unit, fp32 (bf16 or a product of f16s, exact), or
              uint16 f16 bits for Q4_0 / Q8_0, as their blocks hold them (half the bytes: the 0.8B
              Q4_0 file's planes were 45 MB larger than its blocks with fp32 scales)
@@ -579,6 +739,7 @@ class UnitPlanes:
     group: int  # weight rows side by side in a group (R)
     unit: int
     nibbles: bool
+    quads: bool  # laid out for the vpdpbusd kernels (int8_dot_kernels' "vnni")
 
     @property
     def units(self) -> int:
@@ -612,18 +773,19 @@ def rows_per_group(units: int) -> int:
     return max(1, min(MAX_GROUP, -(-MIN_LANES // units)))
 
 
-def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int) -> UnitPlanes:
+def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int, quads: bool = False) -> UnitPlanes:
     """Lay a matrix's levels out by units of `unit` inputs, R rows side by side, a chunk of rows at a
-    time split between the cores. Two levels a byte where every level fits a nibble (W4, Q4_0)."""
+    time split between the cores. Two levels a byte where every level fits a nibble (W4, Q4_0);
+    `quads`: in runs of four positions a lane, for the vpdpbusd kernels (UnitPlanes.codes)."""
     N, K = weight.shape
     U = K // unit
     R = rows_per_group(U)
     G = -(-N // R)
     nibbles = isinstance(weight, W4Weight) or (isinstance(weight, BlockMatrix) and weight.qtype.name == "Q4_0")
-    # nibbles: byte (p, lane, s) holds positions 2p + s (low nibble) and unit/2 + 2p + s (high)
-    codes = np.empty((G, unit // 4, R * U, 2), np.uint8) if nibbles else np.empty((G, unit, R * U), np.int8)
-    element, fill = (np.uint16, 0x8888) if nibbles else (np.uint8, 0)  # what _blocks_to_lanes moves, padding's levels 0
-    by_element = codes.view(element).reshape(G, -1, R * U)
+    width = 4 if quads else 2 if nibbles else 1  # adjacent positions a lane
+    positions = unit // 2 if nibbles else unit  # bytes a unit has in a row
+    codes = np.empty((G, positions // width, R * U, width), np.uint8 if quads or nibbles else np.int8)
+    flip = 0x80 if quads and not nibbles else 0  # level + 128 (stored blocks' bytes: level ^ 0x80, the same)
     as_stored = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0") and unit == 32
     scale = np.empty((G, R * U), np.uint16 if as_stored else np.float32)  # Q4_0 / Q8_0: their f16 bits
     has_minimum = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_K", "Q5_K")
@@ -645,14 +807,15 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int) -> UnitPla
             stop = min(N, start + step)
             first, last = start // R, -(-stop // R)
             if as_stored:  # each block is one unit already: its bytes move, nothing is decoded
-                _blocks_to_lanes(weight.raw.view(element), by_element, first, last, R, 2 // element().itemsize, fill)
+                _blocks_to_lanes(weight.raw, codes.view(np.uint8), first, last, R, 2, flip, 0x88 if nibbles else flip)
                 blocks = weight.raw[start:stop].reshape(stop - start, U, -1)  # [r, U, 2 + payload]
                 unit_scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16)[..., 0]  # f16 bits
                 unit_minimum = None
             else:
                 by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)
                 laid = lanes(by_unit)  # [g, positions, L]: nibbles' byte j holds positions j and j + unit/2
-                codes[first:last] = laid.reshape(last - first, unit // 4, 2, R * U).transpose(0, 1, 3, 2) if nibbles else laid
+                by_width = laid.reshape(last - first, positions // width, width, R * U).transpose(0, 1, 3, 2)
+                codes[first:last] = by_width.astype(np.int16) + flip if flip else by_width
             scale[first:last] = lanes(unit_scale)
             if has_minimum:
                 minimum[first:last] = lanes(unit_minimum)
@@ -660,26 +823,27 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int) -> UnitPla
                 release_file_pages(weight.raw[start:stop])
 
     in_parallel(chunks, -(-N // step))
-    return UnitPlanes(codes, scale, minimum, N, R, unit, nibbles)
+    return UnitPlanes(codes, scale, minimum, N, R, unit, nibbles, quads)
 
 
 @_jit()
-def _blocks_to_lanes(raw, codes, first, last, R, skip, fill):
-    """Q4_0 / Q8_0 blocks [N, U * block] -> codes of groups [first, last) ([G, steps, U * R]), both
-    in elements the kernels' layout moves whole: uint16 for Q4_0 (byte pair 2p, 2p + 1 of a block is
-    nibble pair p, kept side by side) and bytes for Q8_0. A block is one unit of 32 with its codes as
-    the kernels read them (Q4_0: byte j holds positions j and j + 16 as nibble + 8; Q8_0: byte j is
-    position j) after `skip` elements of f16 scale: element `step` of row g * R + r's block v goes
-    to codes[g, step, v * R + r]. Rows past N get `fill`."""
-    N, steps = raw.shape[0], codes.shape[1]
-    U = codes.shape[2] // R
-    block = raw.shape[1] // U  # elements: the scale's, then the payload's
+def _blocks_to_lanes(raw, codes, first, last, R, skip, flip, fill):
+    """Q4_0 / Q8_0 blocks [N, U * block] (bytes) -> codes of groups [first, last) ([G, P, U * R, width]).
+    A block is one unit of 32 with its bytes as the kernels read them after `skip` bytes of f16
+    scale (Q4_0: byte j holds positions j and j + 16 as nibble + 8; Q8_0: byte j is position j), so
+    byte width * p + s of row g * R + r's block v goes to codes[g, p, v * R + r, s], xor `flip`;
+    rows past N get `fill`."""
+    N = raw.shape[0]
+    steps, L, width = codes.shape[1], codes.shape[2], codes.shape[3]
+    U = L // R
+    block = raw.shape[1] // U
     for g in range(first, last):
         for r in range(R):
             n = g * R + r
             for v in range(U):
-                for step in range(steps):
-                    codes[g, step, v * R + r] = raw[n, v * block + skip + step] if n < N else fill
+                for p in range(steps):
+                    for s in range(width):
+                        codes[g, p, v * R + r, s] = raw[n, v * block + skip + p * width + s] ^ flip if n < N else fill
 
 
 def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int, unit: int, nibbles: bool):
@@ -753,28 +917,33 @@ class TiledLinear(cpu.Linear):
 class W4A8Linear(TiledLinear):
     """`w4a8` on W4 and GGUF blocks: activations int8 per 32 inputs (absmax, fp32 scale), an
     integer dot per unit, fp32 rescale, as cpu.W4A8Linear; sums in unit order (_w4a8_nibbles,
-    _w4a8_bytes)."""
+    _w4a8_bytes, or their vpdpbusd forms: `kernels` is one of int8_dot_kernels(), the first by default)."""
 
     route = "w4a8"
 
-    def __init__(self, weight: W4Weight | BlockMatrix):
-        self.planes = repack(weight, min(ACT_BLOCK, weight.block_size()))
+    def __init__(self, weight: W4Weight | BlockMatrix, kernels: str | None = None):
+        p = self.planes = repack(weight, min(ACT_BLOCK, weight.block_size()), quads=(kernels or int8_dot_kernels()[0]) == "vnni")
+        self.width = 4 if p.quads else 2 if p.nibbles else 1
+        self.offsets = position_offsets(p.unit, p.unit // 2 if p.nibbles else p.unit, self.width, p.units * p.group)
 
     def prepare(self, x: np.ndarray):
         p = self.planes
         T, lanes = x.shape[0], p.units * p.group
-        q = np.empty((T, p.unit * lanes), np.int8 if p.nibbles else np.int16)
+        q = np.empty((T, p.unit * lanes), np.int16 if self.width == 1 else np.int8)
         x_scale, x_sum = np.empty((T, lanes), np.float32), np.empty((T, p.units), np.float32)
-        _int8_lanes(np.ascontiguousarray(x, dtype=np.float32), p.unit, p.group, p.nibbles, q, x_scale, x_sum)
-        if p.nibbles:  # the kernel undoes the nibbles' + 8 with each lane's unit sum
-            x_sum = np.repeat(x_sum.astype(np.int32), p.group, axis=1)
-        return q, x_scale, x_sum
+        _int8_lanes(np.ascontiguousarray(x, dtype=np.float32), p.unit, p.group, self.offsets, self.width, q, x_scale, x_sum)
+        # the kernels undo the nibbles' + 8, or the vpdpbusd bytes' + 128, with each lane's unit sum
+        lane_sum = np.repeat(x_sum.astype(np.int32), p.group, axis=1) if p.nibbles or p.quads else None
+        return q, x_scale, x_sum, lane_sum
 
     def kernel(self, prepared, out: np.ndarray, lo: int, hi: int) -> None:
-        q, x_scale, x_sum = prepared
+        q, x_scale, x_sum, lane_sum = prepared
         p = self.planes
         if p.nibbles:
-            _w4a8_nibbles(p.flat_codes, p.scale, q, x_sum, x_scale, p.group, out, lo, hi)
+            nibbles = _w4a8_nibble_quads if p.quads else _w4a8_nibbles
+            nibbles(p.flat_codes, p.scale, q, lane_sum, x_scale, p.group, out, lo, hi)
+        elif p.quads:
+            _w4a8_byte_quads(p.flat_codes, p.scale, p.minimum, q, x_scale, x_sum, lane_sum, p.group, out, lo, hi)
         else:
             _w4a8_bytes(p.flat_codes, p.scale, p.minimum, q, x_scale, x_sum, p.group, out, lo, hi)
 
@@ -784,25 +953,34 @@ class TrellisLinear(TiledLinear):
     quantized per 128-block; y[n] = row_scale[n] * sum over blocks, in order, of act_scale[b] * dot_b.
     The levels are decoded once at load into int8 planes: 8 bits a weight held for the file's 2-4, the
     price of not running the trellis decoder at every product (the numpy Linear does, a whole
-    matrix's worth of it per call); a decoder inside the kernel is the next step."""
+    matrix's worth of it per call); a decoder inside the kernel is the next step. `kernels` as W4A8Linear's."""
 
     route = "w4a8"
 
-    def __init__(self, weight: TrellisWeight):
+    def __init__(self, weight: TrellisWeight, kernels: str | None = None):
         self.weight = weight  # the coded form (a few bits a weight), as the numpy Linear keeps it
         self.seed, self.row_scale = weight.seed, weight.row_scale.astype(np.float32)
-        self.planes = repack(weight, GROUP)
+        self.planes = repack(weight, GROUP, quads=(kernels or int8_dot_kernels()[0]) == "vnni")
 
     def prepare(self, x: np.ndarray):
         q, act_scale = rotated_int8_activations(x, self.seed)  # [T, B, 128], [T, B]
-        lane_scale = np.repeat(act_scale.astype(np.float32), self.planes.group, axis=1)  # [T, B * R]
-        levels = self.by_lanes(q.reshape(x.shape[0], -1), np.int16).reshape(x.shape[0], -1)  # [T, 128 * L]
-        return levels, lane_scale, act_scale.astype(np.float32)
+        T, p = x.shape[0], self.planes
+        lane_scale = np.repeat(act_scale.astype(np.float32), p.group, axis=1)  # [T, B * R]
+        if not p.quads:
+            levels = self.by_lanes(q.reshape(T, -1), np.int16)  # [T, 128, L]
+            return levels.reshape(T, -1), lane_scale, act_scale.astype(np.float32), None
+        levels = self.by_lanes(q.reshape(T, -1), np.int8)  # [T, 128, L] -> quads [T, 32, L, 4]
+        quads = np.ascontiguousarray(levels.reshape(T, GROUP // 4, 4, -1).transpose(0, 1, 3, 2))
+        lane_sum = np.repeat(q.sum(axis=2, dtype=np.int32), p.group, axis=1)  # [T, B * R]
+        return quads.reshape(T, -1), lane_scale, act_scale.astype(np.float32), lane_sum
 
     def kernel(self, prepared, out: np.ndarray, lo: int, hi: int) -> None:
-        q, lane_scale, act_scale = prepared
+        q, lane_scale, act_scale, lane_sum = prepared  # act_scale stands in for x_sum: no minimum reads it
         p = self.planes
-        _w4a8_bytes(p.flat_codes, p.scale, p.minimum, q, lane_scale, act_scale, p.group, out, lo, hi)
+        if p.quads:
+            _w4a8_byte_quads(p.flat_codes, p.scale, p.minimum, q, lane_scale, act_scale, lane_sum, p.group, out, lo, hi)
+        else:
+            _w4a8_bytes(p.flat_codes, p.scale, p.minimum, q, lane_scale, act_scale, p.group, out, lo, hi)
         rows = slice(lo * p.group, min(hi * p.group, p.rows))
         out[:, rows] *= self.row_scale[rows]
 
@@ -888,8 +1066,8 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
         return BlockMatrix(qtype, np.zeros((8, 256 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]), np.uint8), 256)
 
     w4 = W4Weight(np.zeros((8, 32), np.uint32), np.zeros((8, 2), np.uint16))
-    # each kernel for each scale dtype it meets: f16 bits (Q4_0, Q8_0) and fp32 (IQ4_XS, Q4_K)
-    linears = [W4A8Linear(blocks(name)) for name in ("Q4_0", "IQ4_XS", "Q8_0", "Q4_K")] + [W4A16Linear(w4), DenseLinear(x4),
+    # each kernel for each scale dtype it meets: f16 bits (Q4_0, Q8_0) and fp32 (IQ4_XS, Q4_K, W4)
+    linears = [W4A8Linear(blocks(name)) for name in ("Q4_0", "IQ4_XS", "Q8_0", "Q4_K")] + [W4A8Linear(w4), W4A16Linear(w4), DenseLinear(x4),
                                                                                          BF16Linear(BF16Matrix(np.zeros((8, 256), np.uint16)))]
     steps = [lambda linear=linear: (linear(x1), linear(x4)) for linear in linears]
     vector, rows = np.zeros(2, np.float32), np.zeros((1, 2), np.float32)  # 2 value heads of 4, one key head

@@ -148,28 +148,64 @@ def test_trellis_within_the_sum_bound_of_the_level_function(k):
     assert_within_sum_bound(linear(x), trellis_reference(weight), x64, terms=256)
 
 
+@pytest.mark.parametrize("kernels", compiled.int8_dot_kernels())
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
-def test_activations_are_the_routes_int8_levels_bit_for_bit(qtype):
+def test_activations_are_the_routes_int8_levels_bit_for_bit(qtype, kernels):
     """The kernels' fused quantization gives quantize_int8_blocks' levels, scales and unit sums exactly:
     halves that round to even, an all-zero block (scale 0, levels 0), a block whose absmax is negative."""
-    linear = compiled.make_linear(random_blocks(qtype, 16, 256, seed=1), "w4a8")
+    linear = compiled.W4A8Linear(random_blocks(qtype, 16, 256, seed=1), kernels)
     x = activations(3, 256, seed=2)
     x[0, :32] = 0.0
     x[1, 32:64] = np.arange(32, dtype=np.float32) - 15.5  # halves, and
     x[1, 32] = 127.0  # absmax 127: scale exactly 1, so each half is a tie to round to even
     x[2, 64:96] *= -100
-    q, x_scale, x_sum = linear.prepare(x)
+    q, x_scale, x_sum, lane_sum = linear.prepare(x)
     levels, scale = quantize_int8_blocks(x)  # [T, K/32, 32], [T, K/32]
     unit, p = linear.planes.unit, linear.planes
     by_unit = levels.reshape(3, -1, unit)  # [T, U, unit]
     lanes = np.repeat(by_unit.transpose(0, 2, 1), p.group, axis=2)  # [T, unit, U * R]: position-major, R copies
-    if p.nibbles:  # pairs of positions side by side, low half then high half: [T, 2, unit/4, L, 2]
-        lanes = lanes.reshape(3, 2, unit // 4, 2, -1).transpose(0, 1, 2, 4, 3)
-    assert q.dtype == (np.int8 if p.nibbles else np.int16) and np.array_equal(q, lanes.reshape(3, -1))
+    # runs of `width` adjacent positions a lane, in halves for the nibbles (low, then high): [T, halves, runs, L, width]
+    width, halves = 4 if p.quads else 2 if p.nibbles else 1, 2 if p.nibbles else 1
+    lanes = lanes.reshape(3, halves, unit // halves // width, width, -1).transpose(0, 1, 2, 4, 3)
+    assert q.dtype == (np.int16 if width == 1 else np.int8) and np.array_equal(q, lanes.reshape(3, -1))
     unit_scale = np.repeat(scale, 32 // unit, axis=1)  # [T, U]
     assert np.array_equal(x_scale.view(np.uint32), np.repeat(unit_scale, p.group, axis=1).view(np.uint32))
     unit_sum = by_unit.sum(axis=-1)
-    assert np.array_equal(x_sum, np.repeat(unit_sum, p.group, axis=1) if p.nibbles else unit_sum)
+    assert np.array_equal(x_sum, unit_sum)
+    assert (lane_sum is None) == (width == 1)
+    assert lane_sum is None or np.array_equal(lane_sum, np.repeat(unit_sum, p.group, axis=1))
+
+
+def vnni_and_generic(weight, kernels: str):
+    """The same matrix as a Linear of the given kernel family and of the generic one."""
+    make = compiled.TrellisLinear if isinstance(weight, T.TrellisWeight) else compiled.W4A8Linear
+    return make(weight, kernels), make(weight, "generic")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: random_blocks(Q.Q4_0, 45, 800, 31),  # 25 units a row: 200 lanes, 8 past the last whole 16
+    lambda: random_blocks(Q.Q8_0, 45, 800, 32),
+    lambda: random_blocks(Q.Q4_K, 21, 1280, 33),  # 280 lanes
+    lambda: random_blocks(Q.Q5_K, 16, 256, 34),
+    lambda: random_blocks(Q.Q6_K, 16, 512, 35),
+    lambda: random_blocks(Q.IQ4_XS, 16, 256, 36),
+    lambda: random_w4(40, 1024, 37),
+    lambda: random_trellis(32, 256, 2, 38),
+], ids=["q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "w4", "trellis"])
+def test_each_kernel_family_gives_the_same_bits(make):
+    """The vpdpbusd kernels (on CPUs with AVX512-VNNI) sum the same integer dots as the generic
+    loops, laid out in quads, and rescale them alike: every output bit equal, for 1 to 16 rows and a
+    prefill's tiles, with lanes past the last whole 16 and groups padded past the last row. A CPU
+    without VNNI must offer only the generic kernels (LLVM cannot emit vpdpbusd there)."""
+    kernels = compiled.int8_dot_kernels()
+    assert kernels[-1] == "generic" and ("vnni" in kernels) == ({"avx512vnni", "avx512bw", "avx512vl"} <= compiled._CPU_FEATURES)
+    weight = make()
+    x = activations(40, weight.shape[1], seed=9) * np.float32(3)
+    for family in kernels[:-1]:
+        fast, generic = vnni_and_generic(weight, family)
+        assert fast.planes.quads and not generic.planes.quads
+        for rows in (1, 2, 5, 16, 40):
+            assert np.array_equal(fast(x[:rows]), generic(x[:rows])), f"{family}, {rows} rows"
 
 
 def test_f16_scale_bits_decode_exactly_in_the_kernels():
@@ -380,7 +416,9 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     reports = []
     compiled.compile_kernels(lambda done, total: reports.append((done, total)))
     assert reports == [(i, len(reports)) for i in range(1, len(reports) + 1)] and len(reports) >= 5
-    kernels = [compiled._w4a8_nibbles, compiled._w4a8_bytes, compiled._w4a16_nibbles, compiled._dense, compiled.deltanet_heads,
+    w4a8 = [compiled._w4a8_nibble_quads, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] == "vnni" else \
+        [compiled._w4a8_nibbles, compiled._w4a8_bytes]
+    kernels = [*w4a8, compiled._w4a16_nibbles, compiled._dense, compiled.deltanet_heads,
                compiled.rms_norm_rows, compiled.swiglu_rows, compiled.conv_rows]
     prepared = [len(kernel.signatures) for kernel in kernels]
     assert prepared == [2, 2, 1, 1, 1, 1, 1, 1]  # w4a8 kernels: fp32 scales and f16 bits (Q4_0, Q8_0)
