@@ -42,7 +42,7 @@ from duet.engine.quant.activation import ACT_BLOCK, INT8_MAX, round_to_bf16
 from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations
 from duet.engine.quant.w4 import GROUP, W4Weight
-from duet.engine.checkpoint.safetensors import release_file_pages
+from duet.engine.checkpoint.safetensors import bf16_to_f32, release_file_pages
 from duet.engine.weights import BF16Matrix
 
 CACHE_DIR = Path(platformdirs.user_cache_dir("duet")) / "numba"
@@ -95,6 +95,14 @@ def int8_dot_kernels() -> list[str]:
     loops that LLVM vectorizes). Their integer dots are exact, so both give the same bits."""
     vnni = {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= _CPU_FEATURES
     return ["vnni", "generic"] if vnni else ["generic"]
+
+
+def bf16_dot_kernels() -> list[str]:
+    """The bf16 x fp32 product kernel families this CPU runs, the default first: "avx512" (weight
+    rows in the lanes of 512-bit vectors, one fused multiply-add chain over k per row: _bf16_lanes)
+    where the CPU has AVX-512, and always "generic" (_dense_bf16). Both keep a row's bits however
+    many token rows run; their summation orders differ, each within the fp32 sum bound."""
+    return ["avx512", "generic"] if {"avx512f", "avx512bw", "avx512vl", "fma"} <= _CPU_FEATURES else ["generic"]
 
 
 def _jit(fastmath: bool = False, inline: str = "never"):
@@ -240,6 +248,68 @@ if _numba:
 
     dpbusd_columns = _dpbusd_columns(nibbles=False)
     dpbusd_nibble_columns = _dpbusd_columns(nibbles=True)
+
+    def _bf16_tile(tokens: int, blocks: int):
+        """The intrinsic below for a tile of `tokens` token rows by `blocks` blocks of 32 weight rows."""
+
+        def bf16_tile(typingctx, lanes, x, out, block, t0):
+            """In compiled code: out[t0 + i, (block + j) * 32 + r] = sum over k of bf16 weight
+            lanes[block + j, k, r] times x[t0 + i, k], for i < tokens, j < blocks, r < 32: one fused
+            multiply-add a k, in k order from 0, per output. lanes uint16 [B, K, 32] (32 weight rows
+            side by side at each k); x fp32 [T, K]; out fp32 [T, >= B * 32]; C arrays.
+
+            A 64-byte load holds a k's 32 rows: as 16 uint32 lanes, shifting left by 16 gives the
+            even rows' fp32 values and masking the low half off the odd rows' (bf16 is fp32's top
+            half). Each of the tile's 2 * blocks * tokens accumulators is one vector register; an
+            output's value depends only on its row and token, never on the tile it was computed in."""
+            types = _numba.types
+            if (lanes.dtype, x.dtype, out.dtype) != (types.uint16, types.float32, types.float32):
+                return None
+            signature = types.void(lanes, x, out, types.intp, types.intp)
+
+            def codegen(context, builder, signature, args):
+                from numba.core import cgutils
+
+                ir = llvmlite.ir
+                lanes_v, x_v, out_v, block, t0 = args
+                intp = context.get_value_type(types.intp)
+                const = lambda v: ir.Constant(intp, v)  # noqa: E731
+                i32, words, floats = ir.IntType(32), ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.FloatType(), 16)
+                fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3), "llvm.fma.v16f32")
+                W, X, O = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:3], args[:3]))
+                K, x_row, out_row = (cgutils.unpack_tuple(builder, a.shape, n)[1] for a, n in ((W, 3), (X, 2), (O, 2)))
+                accumulators = [[cgutils.alloca_once(builder, floats) for _ in range(2 * blocks)] for _ in range(tokens)]
+                for acc in sum(accumulators, []):
+                    builder.store(ir.Constant(floats, None), acc)
+                sixteen, high_half = ir.Constant(words, [16] * 16), ir.Constant(words, [-65536] * 16)
+                with cgutils.for_range(builder, K) as loop:
+                    k = loop.index
+                    weights = []  # per block: even rows, odd rows
+                    for j in range(blocks):
+                        at = builder.mul(builder.add(builder.mul(builder.add(block, const(j)), K), k), const(32))
+                        w = builder.load(builder.bitcast(builder.gep(W.data, [at]), words.as_pointer()), align=2)
+                        weights += [builder.bitcast(builder.shl(w, sixteen), floats), builder.bitcast(builder.and_(w, high_half), floats)]
+                    for i in range(tokens):
+                        value = builder.load(builder.gep(X.data, [builder.add(builder.mul(builder.add(t0, const(i)), x_row), k)]))
+                        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(floats, None), value, ir.Constant(i32, 0)),
+                                                       ir.Constant(floats, None), ir.Constant(words, [0] * 16))
+                        for acc, w in zip(accumulators[i], weights):
+                            builder.store(builder.call(fma, [w, splat, builder.load(acc)]), acc)
+                rows_in_order = ir.Constant(ir.VectorType(i32, 32), [v for r in range(16) for v in (r, 16 + r)])
+                for i in range(tokens):
+                    for j in range(blocks):
+                        both = builder.shuffle_vector(builder.load(accumulators[i][2 * j]), builder.load(accumulators[i][2 * j + 1]), rows_in_order)
+                        at = builder.add(builder.mul(builder.add(t0, const(i)), out_row), builder.mul(builder.add(block, const(j)), const(32)))
+                        builder.store(both, builder.bitcast(builder.gep(O.data, [at]), ir.VectorType(ir.FloatType(), 32).as_pointer()), align=4)
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        return intrinsic(bf16_tile)
+
+    # tiles: 4 tokens x 2 blocks (16 accumulators) while 4 rows are left, then 2 x 2, then 1 x 4 (a
+    # decode step: 8 independent chains hide the multiply-add latency), 1 x 1 for the last blocks
+    _tile_4x2, _tile_4x1, _tile_2x2, _tile_1x4, _tile_1x1 = (_bf16_tile(*shape) for shape in ((4, 2), (4, 1), (2, 2), (1, 4), (1, 1)))
 
 
 @_jit(fastmath=True, inline="always")  # inlined into numba's IR: a call left to LLVM stops the vectorizer
@@ -578,6 +648,48 @@ def _dense_rows(kernel, weight: np.ndarray, x: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], N), np.float32)
     in_parallel(lambda lo, hi: kernel(weight, x, out, lo, hi), -(-N // DENSE_GROUP), split=N * K >= SPLIT_MIN_WEIGHTS, blas=False)
     return out
+
+
+@_jit()
+def _bf16_lanes(lanes, x, out, lo, hi):
+    """bf16 weight lanes [B, K, 32] against fp32 x [T, K] into out [T, >= B * 32], blocks [lo, hi)
+    of 32 weight rows, through _bf16_tile's tiles (AVX-512 CPUs: bf16_dot_kernels)."""
+    T = x.shape[0]
+    t = 0
+    while T - t >= 4:
+        b = lo
+        while hi - b >= 2:
+            _tile_4x2(lanes, x, out, b, t)
+            b += 2
+        if b < hi:
+            _tile_4x1(lanes, x, out, b, t)
+        t += 4
+    while T - t >= 2:
+        b = lo
+        while hi - b >= 2:
+            _tile_2x2(lanes, x, out, b, t)
+            b += 2
+        if b < hi:
+            _tile_1x1(lanes, x, out, b, t)
+            _tile_1x1(lanes, x, out, b, t + 1)
+        t += 2
+    if t < T:
+        b = lo
+        while hi - b >= 4:
+            _tile_1x4(lanes, x, out, b, t)
+            b += 4
+        while b < hi:
+            _tile_1x1(lanes, x, out, b, t)
+            b += 1
+
+
+@_jit()
+def _widen_lanes(lanes, wide):
+    """wide[b * 32 + r, k] = the fp32 value of bf16 lanes[b, k, r] (exact), for the blocks given."""
+    for b in range(lanes.shape[0]):
+        for k in range(lanes.shape[1]):
+            for r in range(32):
+                wide[b * 32 + r, k] = np.uint32(lanes[b, k, r]) << np.uint32(16)
 
 
 @_jit()
@@ -1013,41 +1125,81 @@ class DenseLinear(cpu.DenseLinear):
 
 class BF16Linear(cpu.Linear):
     """`bf16` route on a bf16 checkpoint's matrix kept as its bits (BF16Matrix): half the memory of
-    an fp32 copy and half the bytes a pass reads. Up to MAX_ROWS rows through _dense_bf16 (one
-    weight read for all rows, each row's bits as when alone); prefill through BLAS on blocks of
-    WIDEN_ROWS weight rows widened as they are used, each core taking its share of the rows."""
+    an fp32 copy and half the bytes a pass reads. Up to MAX_ROWS rows in one weight read, each row's
+    bits as when alone: on AVX-512 (bf16_dot_kernels' "avx512") the rows are laid 32 side by side at
+    each input (lanes [B, K, 32], rows past N zero) for _bf16_lanes, else kept as they are for
+    _dense_bf16. Prefill through BLAS on blocks of WIDEN_ROWS weight rows widened as they are used,
+    each core taking its share of the rows."""
 
     route = "bf16"
     WIDEN_ROWS = 256  # weight rows widened at a time in a prefill: 1 MB of fp32 at K = 1024
 
-    def __init__(self, weight: BF16Matrix):
-        self.bits = np.ascontiguousarray(weight.bits)
+    def __init__(self, weight: BF16Matrix, kernels: str | None = None):
+        bits = weight.bits
+        self.rows = bits.shape[0]
+        if (kernels or bf16_dot_kernels()[0]) == "avx512":
+            N, K = bits.shape
+            whole = N // 32
+            self.lanes, self.bits = np.zeros((-(-N // 32), K, 32), np.uint16), None
+            self.lanes[:whole] = bits[: whole * 32].reshape(whole, 32, K).transpose(0, 2, 1)
+            self.lanes[whole:, :, : N - whole * 32] = bits[whole * 32 :].T
+            release_file_pages(bits)
+        else:
+            self.lanes, self.bits = None, np.ascontiguousarray(bits)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.bits.shape
+        return self.rows, (self.bits if self.lanes is None else self.lanes).shape[1]
 
     @property
     def nbytes(self) -> int:
-        return self.bits.nbytes
+        return (self.bits if self.lanes is None else self.lanes).nbytes
+
+    def leading_rows(self, stop: int) -> BF16Linear | None:
+        """This Linear over weight rows 0..stop-1 alone, reading the same bits (no copy): the draft
+        shortlist's leading block of the head. None when stop does not end a block of 32 lanes."""
+        if self.lanes is not None and stop % 32:
+            return None
+        leading = copy.copy(self)
+        leading.rows = stop
+        if self.lanes is None:
+            leading.bits = self.bits[:stop]
+        else:
+            leading.lanes = self.lanes[: stop // 32]
+        return leading
+
+    def __getitem__(self, ids) -> np.ndarray:
+        """Weight rows by index as fp32 [len(ids), K]: a tied embedding's lookups read the head's own bits."""
+        if self.lanes is None:
+            return bf16_to_f32(self.bits[ids])
+        ids = np.asarray(ids)
+        return bf16_to_f32(self.lanes[ids // 32, :, ids % 32])
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        if x.shape[0] <= MAX_ROWS:
-            return _dense_rows(_dense_bf16, self.bits, x)
-        N, K = self.bits.shape
+        N, K = self.shape
         x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.shape[0] <= MAX_ROWS and self.lanes is None:
+            return _dense_rows(_dense_bf16, self.bits, x)
+        if x.shape[0] <= MAX_ROWS:
+            blocks = self.lanes.shape[0]
+            out = np.empty((x.shape[0], blocks * 32), np.float32)
+            in_parallel(lambda lo, hi: _bf16_lanes(self.lanes, x, out, lo, hi), blocks, split=N * K >= SPLIT_MIN_WEIGHTS, blas=False)
+            return out if N == blocks * 32 else np.ascontiguousarray(out[:, :N])
         out = np.empty((x.shape[0], N), np.float32)
         by_weight_row = np.empty((N, x.shape[0]), np.float32)
 
         def weight_rows(lo: int, hi: int) -> None:  # W @ x^T, as cpu.DenseLinear's prefill (its faster order)
             wide = np.empty((self.WIDEN_ROWS, K), np.uint32)  # in L2: widened, used, overwritten
-            for start in range(lo, hi, self.WIDEN_ROWS):
-                stop = min(hi, start + self.WIDEN_ROWS)
-                _widen_bf16(self.bits[start:stop], wide)
+            for start in range(lo * 32, min(hi * 32, N), self.WIDEN_ROWS):
+                stop = min(hi * 32, N, start + self.WIDEN_ROWS)
+                if self.lanes is None:
+                    _widen_bf16(self.bits[start:stop], wide)
+                else:
+                    _widen_lanes(self.lanes[start // 32 : -(-stop // 32)], wide)
                 np.matmul(wide[: stop - start].view(np.float32), x.T, out=by_weight_row[start:stop])
                 cpu.copy_transposed(out[:, start:stop], by_weight_row[start:stop])
 
-        in_parallel(weight_rows, N)
+        in_parallel(weight_rows, -(-N // 32))
         return out
 
 

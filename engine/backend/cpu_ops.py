@@ -258,7 +258,14 @@ def unit_lower_inverse(L: np.ndarray, keep: np.ndarray) -> np.ndarray:
 
 
 class CpuOps:
-    """engine/model.py's layers on numpy. Positions are plain ints: the position of a call's first row."""
+    """engine/model.py's layers on numpy. Positions are plain ints: the position of a call's first row.
+
+    compiled_steps: a decode or verify pass's per-row steps (norms, conv, SwiGLU, DeltaNet) run as
+    compiled kernels; by default when the compiled kernels are available (decided once: the check
+    reads the environment, ~1 us, which ~150 steps a verify cycle would pay each time)."""
+
+    def __init__(self, compiled_steps: bool | None = None):
+        self.compiled_steps = compiled.unavailable() is None if compiled_steps is None else compiled_steps
 
     # ---- assembly: stored tensors -> what the layers hold
 
@@ -273,8 +280,9 @@ class CpuOps:
 
     def embedding(self, table, tied_head=None):
         """The token table as stored: fp32 rows, or GGUF blocks dequantized row by row on lookup.
-        tied_head: the output head when it is the same matrix (the GPU reuses its rows)."""
-        return table
+        tied_head: the output head when it is the same matrix; a compiled bf16 head, which holds the
+        bits in its own layout, serves the lookups (one copy of the matrix, not two)."""
+        return tied_head if isinstance(tied_head, compiled.BF16Linear) else table
 
     def host_head(self, head):
         """A head that runs on the host (engine.heads.RescoredHead)."""
@@ -283,7 +291,7 @@ class CpuOps:
     def shortlist_part(self, head, matrix, rows: np.ndarray | slice, route: str):
         """A Linear over some rows of the output head's stored matrix (a view where rows is a slice
         of a float matrix, or of a compiled head's planes); head is the head assembled from it."""
-        if isinstance(rows, slice) and isinstance(head, compiled.TiledLinear):
+        if isinstance(rows, slice) and isinstance(head, (compiled.TiledLinear, compiled.BF16Linear)):
             leading = head.leading_rows(rows.stop)
             if leading is not None:
                 return leading
@@ -333,10 +341,9 @@ class CpuOps:
 
     sigmoid = staticmethod(sigmoid)
 
-    @staticmethod
-    def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """rms_norm; up to MAX_ROWS rows (x [T, ..., D]) in one compiled pass."""
-        if x.shape[0] > MAX_ROWS or compiled.unavailable() or x.dtype != np.float32 or weight.shape != x.shape[-1:]:
+        if x.shape[0] > MAX_ROWS or not self.compiled_steps or x.dtype != np.float32 or weight.shape != x.shape[-1:]:
             return rms_norm(x, weight, eps)
         rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
         out = np.empty_like(rows)
@@ -348,7 +355,7 @@ class CpuOps:
         intermediate feature-major [I, T]: its gate/up product comes out that way without a
         transposing copy, and the down projection reads the transposed view as a plain operand.
         Up to MAX_ROWS rows run token-major through one compiled pass."""
-        if x.shape[0] <= MAX_ROWS and not compiled.unavailable():
+        if x.shape[0] <= MAX_ROWS and self.compiled_steps:
             product = np.ascontiguousarray(gate_up(x), dtype=np.float32)
             out = np.empty((x.shape[0], product.shape[1] // 2), np.float32)
             compiled.swiglu_rows(product, out)
@@ -408,7 +415,7 @@ class CpuOps:
         mixed = self.causal_conv(projected[:, :channels], layer.conv, state)
         z = projected[:, channels : channels + hv * dv].reshape(T, hv, dv)
         b, a = projected[:, -2 * hv : -hv], projected[:, -hv:]  # [T, Hv]
-        if T <= MAX_ROWS and not compiled.unavailable():
+        if T <= MAX_ROWS and self.compiled_steps:
             return self._deltanet_rows_compiled(layer, mixed, z, b, a, state, per_key)
         out = np.empty((T, hv, dv), np.float32)
         S = np.empty_like(state.recurrent) if T > MAX_ROWS else None  # after a prefill, filled head by head
@@ -437,11 +444,10 @@ class CpuOps:
             state.recurrent = S
         return out.reshape(T, hv * dv)
 
-    @staticmethod
-    def causal_conv(mixed: np.ndarray, taps: np.ndarray, state: DeltaNetState) -> np.ndarray:
+    def causal_conv(self, mixed: np.ndarray, taps: np.ndarray, state: DeltaNetState) -> np.ndarray:
         """causal_conv; up to MAX_ROWS rows in one compiled pass."""
         T = mixed.shape[0]
-        if T > MAX_ROWS or compiled.unavailable():
+        if T > MAX_ROWS or not self.compiled_steps:
             return causal_conv(mixed, taps, state)
         window = np.concatenate([state.conv, mixed], axis=0).astype(np.float32, copy=False)  # [K - 1 + T, C]
         out = np.empty(mixed.shape, np.float32)

@@ -309,29 +309,42 @@ def test_bf16_matrices_run_from_their_bits_within_the_sum_bound():
     bf16 -> fp32 widening, the numpy reference (which widens once) within the same bound."""
     import torch
 
-    weight = random_bf16(70, 1000, seed=16)  # 70: a last group of 2 rows
-    linear = compiled.make_linear(weight, "bf16")
-    assert type(linear) is compiled.BF16Linear and linear.nbytes == 70 * 1000 * 2
+    weight = random_bf16(70, 1000, seed=16)  # 70: a last group of 2 rows, a last block of 6 lanes
+    assert type(compiled.make_linear(weight, "bf16")) is compiled.BF16Linear
     w64 = torch.from_numpy(weight.bits.view(np.int16)).view(torch.bfloat16).double().numpy()
-    for rows in (1, 4, 16, 33):
+    for kernels in compiled.bf16_dot_kernels():
+        linear = compiled.BF16Linear(weight, kernels)
+        held_rows = 96 if kernels == "avx512" else 70  # lanes of 32 rows, the last padded
+        assert linear.shape == (70, 1000) and linear.nbytes == held_rows * 1000 * 2
+        for rows in (1, 4, 5, 16, 33):
+            x = activations(rows, 1000, seed=rows)
+            y = linear(x)
+            assert_within_sum_bound(y, w64, x.astype(np.float64), terms=1000)
+            if rows <= 16:
+                alone = np.concatenate([linear(x[t : t + 1]) for t in range(rows)])
+                assert np.array_equal(y, alone), f"{kernels}: {rows} rows"
+    for rows in (1, 33):
         x = activations(rows, 1000, seed=rows)
-        assert_within_sum_bound(linear(x), w64, x.astype(np.float64), terms=1000)
         assert_within_sum_bound(cpu.make_linear(weight, "bf16")(x), w64, x.astype(np.float64), terms=1000)
 
 
 def test_a_bf16_checkpoint_loads_its_matrices_as_bits(tmp_path):
     """Loading a bf16 safetensors model keeps every Linear and the embedding at 2 bytes a weight
-    (an fp32 copy was twice the file), the tied head reading the embedding's own bits."""
+    (an fp32 copy was twice the file); a tied embedding looks its rows up in the head's own bits."""
     from conftest import build_reference, save_reference
     from duet.engine import load_model
 
-    save_reference(build_reference("qwen3_5", tie=True, seed=2).to(dtype=__import__("torch").bfloat16), tmp_path,
-                   with_tokenizer=False)
+    reference = build_reference("qwen3_5", tie=True, seed=2).to(dtype=__import__("torch").bfloat16)
+    save_reference(reference, tmp_path, with_tokenizer=False)
     model = load_model(tmp_path, tokenizer=False).model
-    assert isinstance(model.embed, BF16Matrix) and type(model.lm_head) is compiled.BF16Linear
-    assert np.shares_memory(model.lm_head.bits, model.embed.bits)
+    assert type(model.lm_head) is compiled.BF16Linear and model.embed is model.lm_head  # one copy of the tied matrix
+    table = reference.get_input_embeddings().weight.float().detach().numpy()
+    ids = np.array([0, 1, 31, 32, 77, len(table) - 1])
+    assert np.array_equal(model.embed[ids], table[ids])
     mixer = model.layers[0].mixer
-    assert type(mixer.in_proj) is compiled.BF16Linear and mixer.in_proj.nbytes == 2 * np.prod(mixer.in_proj.shape)
+    N, K = mixer.in_proj.shape
+    held = -(-N // 32) * 32 if compiled.bf16_dot_kernels()[0] == "avx512" else N  # lanes of 32 rows, the last padded
+    assert type(mixer.in_proj) is compiled.BF16Linear and mixer.in_proj.nbytes == 2 * held * K
 
 
 def test_the_numpy_reference_runs_when_asked(monkeypatch):

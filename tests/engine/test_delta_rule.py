@@ -111,13 +111,14 @@ def test_compiled_rows_follow_the_recurrence_and_give_a_row_its_bits_alone():
     assert np.array_equal(split[0], states) and np.array_equal(split[1], out)
 
 
-def test_the_fused_deltanet_step_matches_numpys_and_gives_a_row_its_bits_alone(tmp_path, monkeypatch):
+def test_the_fused_deltanet_step_matches_numpys_and_gives_a_row_its_bits_alone(tmp_path):
     """compiled.deltanet_heads (a decode or verify pass's per-head steps in one kernel) against the numpy
-    steps it replaces (DUET_CPU_KERNELS=numpy), on a transformers-initialised layer and inputs the size
+    steps it replaces (CpuOps without compiled steps), on a transformers-initialised layer and inputs the size
     of its in_proj output: within fp32 rounding of a few dk- and dv-term sums (1e-5 relative to the
     largest output); the state and output of a row are the same bits alone as among four rows."""
     from conftest import build_reference, save_reference
     from duet.engine import load_model
+    from duet.engine.backend.cpu_ops import CpuOps
     from duet.engine.model import DeltaNet
 
     save_reference(build_reference("qwen3_5", seed=3), tmp_path, with_tokenizer=False)
@@ -128,10 +129,9 @@ def test_the_fused_deltanet_step_matches_numpys_and_gives_a_row_its_bits_alone(t
     S0 = rng.standard_normal((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)).astype(np.float32) * 0.1
 
     def run(rows: slice, kernels: str):
-        monkeypatch.setenv(compiled.KERNELS_ENV, kernels)
         state = layer.new_cache()
         state.recurrent = S0.copy()
-        out = layer.ops.deltanet(layer, projected[rows], state, 0)
+        out = CpuOps(compiled_steps=kernels == "compiled").deltanet(layer, projected[rows], state, 0)
         return out, state
 
     fused, fused_state = run(slice(0, 4), "compiled")
