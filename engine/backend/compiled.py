@@ -806,6 +806,41 @@ def swiglu_rows(gate_up, out):
 
 
 @_jit(fastmath=True)
+def attend_rows(q, keys, values, past, out):
+    """Causal GQA for a decode or verify pass, as cpu_ops.attend: q [T, heads, hd] at positions
+    past, past + 1, ...; keys, values [kv, >= past + T, hd]; out [T, heads * hd]. Row t reads keys
+    0..past + t (query head h reads KV head h // (heads / kv)): scores q.k / sqrt(hd), softmax
+    (max subtracted), the weighted sum of values, each over the row's own keys in order, so a row
+    gets the same bits whatever rows run with it."""
+    T, heads, hd = q.shape
+    group = heads // keys.shape[0]
+    scale = np.float32(1) / np.sqrt(np.float32(hd))
+    scores = np.empty(past + T, np.float32)
+    for t in range(T):
+        n = past + t + 1
+        for h in range(heads):
+            query, keys_h, values_h = q[t, h], keys[h // group], values[h // group]
+            top = -np.inf
+            for j in range(n):
+                total = np.float32(0)
+                key = keys_h[j]
+                for d in range(hd):
+                    total += query[d] * key[d]
+                scores[j] = total * scale
+                top = max(top, scores[j])
+            mass = np.float32(0)
+            for j in range(n):
+                scores[j] = exp_f32(scores[j] - top)
+                mass += scores[j]
+            o = out[t, h * hd : (h + 1) * hd]
+            o[:] = 0
+            for j in range(n):
+                weight, value = scores[j] / mass, values_h[j]
+                for d in range(hd):
+                    o[d] += weight * value[d]
+
+
+@_jit(fastmath=True)
 def conv_rows(window, taps_by_lag, out):
     """Depthwise causal conv then SiLU over the T rows after the window's first K - 1: window
     [K - 1 + T, C] (the conv state's rows, then the new rows), taps_by_lag [K, C], out [T, C]; tap j
@@ -1230,6 +1265,8 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
     steps.append(lambda: rms_norm_rows(rows, vector, np.float32(1e-6), rows.copy()))
     steps.append(lambda: swiglu_rows(np.zeros((1, 4), np.float32), rows.copy()))
     steps.append(lambda: conv_rows(np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32), rows.copy()))
+    steps.append(lambda: attend_rows(np.zeros((1, 2, 4), np.float32), np.zeros((1, 4, 4), np.float32),
+                                     np.zeros((1, 4, 4), np.float32), 0, np.zeros((1, 8), np.float32)))
     for done, step in enumerate(steps, 1):
         step()
         if report:

@@ -30,6 +30,10 @@ CHUNK = 32
 # shows, high enough that a product of two floored factors and a few small ones (beta, k.k) stays
 # far above the denormals (< 1.2e-38), which run up to ~100x slower on x86.
 DECAY_FLOOR = -30.0
+# State elements (rows x value heads x dk x dv) a decode or verify pass's DeltaNet step needs before
+# its heads are split between the cores. The 0.8B geometry's 16 x 128 x 128 a row split: 12.9 ->
+# 9.0 ms a token; the demo's 4 x 32 x 64 lost ~45 us a layer to the handoff (71 -> 26 us at one row).
+DELTANET_SPLIT_MIN = 1 << 17
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -388,8 +392,7 @@ class CpuOps:
         past = cache.length
         if T <= MAX_ROWS:  # each row exactly as its own decode step would compute it
             cache.append(k, v)
-            out = np.concatenate([attend(q[i : i + 1], *cache.rows(past + t + 1), past + t)
-                                  for i, t in enumerate(range(first, T))])
+            out = self._attend_rows(q, cache, past, first, T)
         else:  # prefill: cached rows as the cache holds them, the new rows exact
             old_keys, old_values = cache.rows(past)
             cache.append(k, v)
@@ -403,6 +406,20 @@ class CpuOps:
 
             in_parallel(kv_groups, kv_heads)
         return out * sigmoid(gate)
+
+    def _attend_rows(self, q: np.ndarray, cache, past: int, first: int, T: int) -> np.ndarray:
+        """Rows [first, T) of a decode or verify pass against the cache (which holds them already)."""
+        if not self.compiled_steps:
+            return np.concatenate([attend(q[i : i + 1], *cache.rows(past + t + 1), past + t) for i, t in enumerate(range(first, T))])
+        out = np.empty((T - first, q.shape[1] * q.shape[2]), np.float32)
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        if type(cache).rows is KVCache.rows:  # rows are prefixes of its buffers: each row reads up to its own position
+            compiled.attend_rows(q, cache.keys, cache.values, past + first, out)
+        else:  # q4: a row reads what its decode step would (the window of exact recent rows moves with its position)
+            for i, t in enumerate(range(first, T)):
+                keys, values = (np.ascontiguousarray(rows, dtype=np.float32) for rows in cache.rows(past + t + 1))
+                compiled.attend_rows(q[i : i + 1], keys, values, past + t, out[i : i + 1])
+        return out
 
     def deltanet(self, layer, projected: np.ndarray, state: DeltaNetState, start: int) -> np.ndarray:
         """Gated DeltaNet's core over every row: projected [T, q | k | v | z | b | a] (in_proj's
@@ -458,15 +475,17 @@ class CpuOps:
     @staticmethod
     def _deltanet_rows_compiled(layer, mixed, z, b, a, state: DeltaNetState, per_key: int) -> np.ndarray:
         """The per-head steps of a decode or verify pass in one compiled kernel (compiled.deltanet_heads),
-        value heads split between the cores: ~20 numpy ops a layer took ~0.5 ms of a 0.8B step's layer."""
+        value heads split between the cores when the states are large enough to pay for the handoff
+        (DELTANET_SPLIT_MIN): ~20 numpy ops a layer took ~0.5 ms of a 0.8B step's layer."""
         T, hv, dv = z.shape
-        states = np.empty((T, hv, state.recurrent.shape[1], dv), np.float32)
+        dk = state.recurrent.shape[1]
+        states = np.empty((T, hv, dk, dv), np.float32)
         out = np.empty((T, hv, dv), np.float32)
         f32 = [np.ascontiguousarray(x, dtype=np.float32) for x in (mixed, z, b, a)]
         vectors = [np.ascontiguousarray(x, dtype=np.float32) for x in (layer.decay_rate, layer.dt_bias, layer.norm)]
         eps = np.float32(layer.config.rms_norm_eps)
         in_parallel(lambda lo, hi: compiled.deltanet_heads(*f32, *vectors, eps, per_key, state.recurrent, states, out, lo, hi),
-                    hv, blas=False)
+                    hv, split=T * hv * dk * dv >= DELTANET_SPLIT_MIN, blas=False)
         state.row_states = list(states)
         state.recurrent = states[-1]
         return out.reshape(T, hv * dv)

@@ -432,9 +432,9 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     w4a8 = [compiled._w4a8_nibble_quads, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] == "vnni" else \
         [compiled._w4a8_nibbles, compiled._w4a8_bytes]
     kernels = [*w4a8, compiled._w4a16_nibbles, compiled._dense, compiled.deltanet_heads,
-               compiled.rms_norm_rows, compiled.swiglu_rows, compiled.conv_rows]
+               compiled.rms_norm_rows, compiled.swiglu_rows, compiled.conv_rows, compiled.attend_rows]
     prepared = [len(kernel.signatures) for kernel in kernels]
-    assert prepared == [2, 2, 1, 1, 1, 1, 1, 1]  # w4a8 kernels: fp32 scales and f16 bits (Q4_0, Q8_0)
+    assert prepared == [2, 2, 1, 1, 1, 1, 1, 1, 1]  # w4a8 kernels: fp32 scales and f16 bits (Q4_0, Q8_0)
     models = Path(__file__).parents[2] / "models"
     for path in (models / "demo", models / "demo_int4", models / "demo_gguf" / "demo-q8_0.gguf"):
         lm = load_model(path)

@@ -121,3 +121,33 @@ def test_a_verify_rows_conv_has_each_rows_decode_bits_and_rolls_forward_the_stat
     np.testing.assert_array_equal(all_rows, one_by_one)
     np.testing.assert_array_equal(together.conv, stepped.conv)
     np.testing.assert_array_equal(together.conv, mixed[-(K - 1) :])
+
+
+def test_attend_rows_within_the_bound_of_float64_softmax_attention():
+    """compiled.attend_rows against softmax attention in float64, each row over its own keys, with
+    grouped query heads; a row alone gives the bits it gets among others. Bound: a score's dot of hd
+    terms errs by at most hd U sum|q_d k_d| (scaled); softmax turns score errors of at most e into
+    weight errors of at most 2e relative; the weighted sum of n values adds n U; exp adds 4 U."""
+    rng = np.random.default_rng(7)
+    T, heads, kv, hd, past = 5, 4, 2, 64, 15
+    q = rng.standard_normal((T, heads, hd)).astype(np.float32)
+    keys = rng.standard_normal((kv, past + T + 3, hd)).astype(np.float32)  # rows past the last query unread
+    values = rng.standard_normal((kv, past + T + 3, hd)).astype(np.float32)
+    got = np.empty((T, heads * hd), np.float32)
+    compiled.attend_rows(q, keys, values, past, got)
+    for t in range(T):
+        alone = np.empty((1, heads * hd), np.float32)
+        compiled.attend_rows(q[t : t + 1], keys, values, past + t, alone)
+        np.testing.assert_array_equal(alone[0], got[t])
+    scale = hd**-0.5
+    for t in range(T):
+        n = past + t + 1
+        for h in range(heads):
+            k64, v64, q64 = keys[h // 2, :n].astype(np.float64), values[h // 2, :n].astype(np.float64), q[t, h].astype(np.float64)
+            scores = k64 @ q64 * scale
+            weights = np.exp(scores - scores.max())
+            weights /= weights.sum()
+            want = weights @ v64
+            score_error = hd * U * (np.abs(k64) @ np.abs(q64)).max() * scale
+            bound = (2 * score_error + (n + 8) * U) * np.abs(v64).max()
+            np.testing.assert_array_less(np.abs(got[t, h * hd : (h + 1) * hd] - want), bound)
