@@ -685,11 +685,12 @@ def _bf16_lanes(lanes, x, out, lo, hi):
 
 @_jit()
 def _widen_lanes(lanes, wide):
-    """wide[b * 32 + r, k] = the fp32 value of bf16 lanes[b, k, r] (exact), for the blocks given."""
+    """wide[k, b * 32 + r] = the fp32 bits of bf16 lanes[b, k, r] (exact): the blocks given side by
+    side as one [K, 32 * blocks] operand, W^T's columns for those rows, each copied run 32 long."""
     for b in range(lanes.shape[0]):
         for k in range(lanes.shape[1]):
             for r in range(32):
-                wide[b * 32 + r, k] = np.uint32(lanes[b, k, r]) << np.uint32(16)
+                wide[k, b * 32 + r] = np.uint32(lanes[b, k, r]) << np.uint32(16)
 
 
 @_jit()
@@ -1221,20 +1222,39 @@ class BF16Linear(cpu.Linear):
             in_parallel(lambda lo, hi: _bf16_lanes(self.lanes, x, out, lo, hi), blocks, split=N * K >= SPLIT_MIN_WEIGHTS, blas=False)
             return out if N == blocks * 32 else np.ascontiguousarray(out[:, :N])
         out = np.empty((x.shape[0], N), np.float32)
+        if self.lanes is not None:
+            return self._prefill_from_lanes(x, out)
         by_weight_row = np.empty((N, x.shape[0]), np.float32)
 
         def weight_rows(lo: int, hi: int) -> None:  # W @ x^T, as cpu.DenseLinear's prefill (its faster order)
             wide = np.empty((self.WIDEN_ROWS, K), np.uint32)  # in L2: widened, used, overwritten
-            for start in range(lo * 32, min(hi * 32, N), self.WIDEN_ROWS):
-                stop = min(hi * 32, N, start + self.WIDEN_ROWS)
-                if self.lanes is None:
-                    _widen_bf16(self.bits[start:stop], wide)
-                else:
-                    _widen_lanes(self.lanes[start // 32 : -(-stop // 32)], wide)
+            for start in range(lo, hi, self.WIDEN_ROWS):
+                stop = min(hi, start + self.WIDEN_ROWS)
+                _widen_bf16(self.bits[start:stop], wide)
                 np.matmul(wide[: stop - start].view(np.float32), x.T, out=by_weight_row[start:stop])
                 cpu.copy_transposed(out[:, start:stop], by_weight_row[start:stop])
 
-        in_parallel(weight_rows, -(-N // 32))
+        in_parallel(weight_rows, N)
+        return out
+
+    def _prefill_from_lanes(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """x @ W^T for a prefill, WIDEN_ROWS weight rows at a time: their lanes widen into one
+        [K, WIDEN_ROWS] operand (runs of 32 copied as they lie), whose product with x is already
+        token-major; each core takes its share of the blocks."""
+        N, K = self.shape
+        per_widen = self.WIDEN_ROWS // 32
+
+        def blocks(lo: int, hi: int) -> None:
+            wide = np.empty((K, self.WIDEN_ROWS), np.uint32)  # in L2: widened, used, overwritten
+            part = np.empty((x.shape[0], self.WIDEN_ROWS), np.float32)
+            for first in range(lo, hi, per_widen):
+                last = min(hi, first + per_widen)
+                columns = min(N, last * 32) - first * 32
+                _widen_lanes(self.lanes[first:last], wide)
+                np.matmul(x, wide[:, :columns].view(np.float32), out=part[:, :columns])
+                out[:, first * 32 : first * 32 + columns] = part[:, :columns]
+
+        in_parallel(blocks, self.lanes.shape[0])
         return out
 
 
