@@ -264,7 +264,7 @@ def unit_lower_inverse(L: np.ndarray, keep: np.ndarray) -> np.ndarray:
 class CpuOps:
     """engine/model.py's layers on numpy. Positions are plain ints: the position of a call's first row.
 
-    compiled_steps: a decode or verify pass's per-row steps (norms, conv, SwiGLU, DeltaNet) run as
+    compiled_steps: a decode or verify pass's per-row steps (norms, conv, SwiGLU, attention, DeltaNet) run as
     compiled kernels; by default when the compiled kernels are available (decided once: the check
     reads the environment, ~1 us, which ~150 steps a verify cycle would pay each time)."""
 
