@@ -154,8 +154,9 @@ async def test_send_streams_a_reply_and_saves_both_messages(make_app):
 
 
 async def test_keys_work_while_a_reply_streams_and_esc_stops_it(make_app, endless_model):
-    # a reply far longer than the keys take to press: the tiny model decodes 4,000 tokens (the old
-    # limit) in less time than Pilot's presses take while a reply streams (~2 s each)
+    # a reply far longer than the keys take to press: Pilot waits up to 1 s, twice a key, for the
+    # process to go idle, which it never does while the engine decodes (~2 s a press); the tiny
+    # model decoded the old 4,000-token limit in less time than that
     app = make_app(Config(max_tokens=100_000), model=endless_model)
     async with app.run_test(size=SIZE) as pilot:
         screen = await loaded(pilot)
