@@ -53,7 +53,7 @@ KERNELS_ENV = "DUET_CPU_KERNELS"  # "numpy" runs the numpy reference Linears ins
 SPLIT_MIN_WEIGHTS = 1 << 20
 
 
-_CPU_FEATURES: set[str] = set()  # what LLVM reports of this CPU (avx2, avx512vnni, ...)
+_CPU_FEATURES: set[str] = set()  # the CPU features the kernels are compiled for (avx2, avx512vnni, ...)
 
 
 def _load_numba():
@@ -64,12 +64,14 @@ def _load_numba():
     except ImportError:
         return None
     features = llvmlite.binding.get_host_cpu_features()
-    _CPU_FEATURES.update(name for name, present in features.items() if present)
     if all(features.get(f) for f in ("avx512f", "avx512bw", "avx512vl")):
         # LLVM vectorizes with 256-bit registers on AVX-512 CPUs unless told otherwise (for the clock
         # drop of older Xeons). Full-width vectors, measured on one Emerald Rapids core: the Q4_0
         # 3584 x 1024 w4a8 product 323-435 -> 290-295 us a token row; bf16 [1024, 256] 16.6 -> 13.4 us.
         os.environ.setdefault("NUMBA_CPU_FEATURES", features.flatten() + ",-prefer-256-bit")
+    # what the kernels are compiled for: the features numba is told (a user's NUMBA_CPU_FEATURES too)
+    target = os.environ.get("NUMBA_CPU_FEATURES", features.flatten())
+    _CPU_FEATURES.update(feature[1:] for feature in target.split(",") if feature.startswith("+"))
     try:
         import numba
     except ImportError:
