@@ -100,6 +100,13 @@ def test_corrupt_metadata_is_one_line_exit_2(converted, tmp_path, capsys, change
     assert message in err and err.count("\n") == 1 and "model.safetensors" in err
 
 
+def test_a_route_that_cannot_run_trellis_weights_is_one_line_exit_2(converted, capsys):
+    """w4a16 multiplies bf16 activations by 4-bit levels; trellis levels need the w4a8 route."""
+    assert main(["--headless", "the", "--raw", "--route", "w4a16", "--model", str(converted["trellis-4"])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "route w4a16 cannot run trellis-4 weights; use --route w4a8 or bf16" in err
+
+
 def test_wrong_tile_count_is_one_line_exit_2(converted, tmp_path, capsys):
     bad = rewrite(converted["trellis-4"], tmp_path / "bad", drop_tile=True)
     assert main(["--headless", "the", "--raw", "--model", str(bad)]) == 2
