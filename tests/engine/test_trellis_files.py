@@ -71,8 +71,9 @@ def test_trellis_linear_matches_the_dequantized_weight_and_is_row_independent():
     assert np.array_equal(linear(x[:MAX_ROWS])[3], linear(x[3:4])[0])
 
 
-def rewrite(src, dst, metadata=None, drop_tile=False):
-    """A copy of the trellis folder with its metadata changed or one tile cut off a matrix."""
+def rewrite(src, dst, metadata=None, drop_tile=False, coded_as=None):
+    """A copy of the trellis folder with its metadata changed, one tile cut off a matrix, or (coded_as)
+    layer 0's down_proj codes standing in for another module's 16-bit weight."""
     shutil.copytree(src, dst)
     file = SafetensorsFile(src / "model.safetensors")
     tensors = {}
@@ -80,6 +81,10 @@ def rewrite(src, dst, metadata=None, drop_tile=False):
         data = np.array(file.raw(name))
         if drop_tile and name == "model.layers.1.mlp.down_proj.trellis_codes":
             data = data[:-1]
+        if coded_as and name.startswith("model.layers.0.mlp.down_proj.trellis_"):
+            tensors[name.replace("down_proj", coded_as)] = (info.dtype, data.shape, data.tobytes())
+        if coded_as and name == f"model.layers.0.mlp.{coded_as}.weight":
+            continue
         tensors[name] = (info.dtype, data.shape, data.tobytes())
     write_safetensors(dst / "model.safetensors", tensors, {**file.metadata, **(metadata or {})})
     file.close()
@@ -112,7 +117,16 @@ def test_wrong_tile_count_is_one_line_exit_2(converted, tmp_path, capsys):
     assert main(["--headless", "the", "--raw", "--model", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert "model.layers.1.mlp.down_proj.trellis_codes is U8 [63, 64]" in err and "(64 tiles)" in err
+    assert "model.layers.1.mlp.down_proj.trellis_codes is U8 [63, 64]; a [64, 128] weight at 4 bits takes U8 [64, 64] (64 tiles)" in err
+
+
+def test_codes_for_a_weight_trellis_cannot_code_are_one_line_exit_2(converted, tmp_path, capsys):
+    """up_proj is [128, 64]: K = 64 is no whole Hadamard block, so no trellis file may code it."""
+    bad = rewrite(converted["trellis-4"], tmp_path / "bad", coded_as="up_proj")
+    assert main(["--headless", "the", "--raw", "--model", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.safetensors" in err
+    assert "model.layers.0.mlp.up_proj.trellis_codes codes a [128, 64] weight; trellis needs N % 16 == 0 and K % 128 == 0" in err
 
 
 def test_stacked_trellis_weights_run_as_one_linear():
