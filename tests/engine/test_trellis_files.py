@@ -71,21 +71,25 @@ def test_trellis_linear_matches_the_dequantized_weight_and_is_row_independent():
     assert np.array_equal(linear(x[:MAX_ROWS])[3], linear(x[3:4])[0])
 
 
-def rewrite(src, dst, metadata=None, drop_tile=False, coded_as=None):
-    """A copy of the trellis folder with its metadata changed, one tile cut off a matrix, or (coded_as)
-    layer 0's down_proj codes standing in for another module's 16-bit weight."""
+def rewrite(src, dst, metadata=None, drop_tile=False, coded_as=None, row_scale=None):
+    """A copy of the trellis folder with its metadata changed, one tile cut off a matrix, (coded_as)
+    layer 0's down_proj codes standing in for another module's 16-bit weight, or (row_scale) layer 1's
+    down_proj row scale made another array by the given function."""
     shutil.copytree(src, dst)
     file = SafetensorsFile(src / "model.safetensors")
     tensors = {}
     for name, info in file.tensors.items():
-        data = np.array(file.raw(name))
+        data, dtype = np.array(file.raw(name)), info.dtype
         if drop_tile and name == "model.layers.1.mlp.down_proj.trellis_codes":
             data = data[:-1]
+        if row_scale and name == "model.layers.1.mlp.down_proj.trellis_row_scale":
+            data = row_scale(data.view(np.float32))
+            dtype = {np.float16: "F16", np.float32: "F32"}[data.dtype.type]
         if coded_as and name.startswith("model.layers.0.mlp.down_proj.trellis_"):
-            tensors[name.replace("down_proj", coded_as)] = (info.dtype, data.shape, data.tobytes())
+            tensors[name.replace("down_proj", coded_as)] = (dtype, data.shape, data.tobytes())
         if coded_as and name == f"model.layers.0.mlp.{coded_as}.weight":
             continue
-        tensors[name] = (info.dtype, data.shape, data.tobytes())
+        tensors[name] = (dtype, data.shape, data.tobytes())
     write_safetensors(dst / "model.safetensors", tensors, {**file.metadata, **(metadata or {})})
     file.close()
     return dst
@@ -118,6 +122,17 @@ def test_wrong_tile_count_is_one_line_exit_2(converted, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "model.layers.1.mlp.down_proj.trellis_codes is U8 [63, 64]; a [64, 128] weight at 4 bits takes U8 [64, 64] (64 tiles)" in err
+
+
+@pytest.mark.parametrize("row_scale, found", [
+    (lambda scale: scale.astype(np.float16), "F16 [64]"),  # the right length, the wrong type
+    (lambda scale: scale[:-1], "F32 [63]"),  # the right type, one row short
+])
+def test_a_wrong_row_scale_is_one_line_exit_2(converted, tmp_path, capsys, row_scale, found):
+    bad = rewrite(converted["trellis-4"], tmp_path / "bad", row_scale=row_scale)
+    assert main(["--headless", "the", "--raw", "--model", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"model.layers.1.mlp.down_proj.trellis_row_scale is {found}; expected F32 [64]" in err
 
 
 def test_codes_for_a_weight_trellis_cannot_code_are_one_line_exit_2(converted, tmp_path, capsys):
