@@ -124,6 +124,34 @@ def test_wrong_tile_count_is_one_line_exit_2(converted, tmp_path, capsys):
     assert "model.layers.1.mlp.down_proj.trellis_codes is U8 [63, 64]; a [64, 128] weight at 4 bits takes U8 [64, 64] (64 tiles)" in err
 
 
+def shard(src, dst, second_metadata: dict) -> None:
+    """The trellis folder as two shards (layer 1's tensors in the second) with an index; the second
+    shard's metadata updated by second_metadata."""
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").unlink()
+    file = SafetensorsFile(src / "model.safetensors")
+    names = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for name, info in file.tensors.items():
+        data = np.array(file.raw(name))
+        names[sorted(names)[".layers.1." in name]][name] = (info.dtype, data.shape, data.tobytes())
+    for i, (shard_name, tensors) in enumerate(sorted(names.items())):
+        write_safetensors(dst / shard_name, tensors, {**file.metadata, **(second_metadata if i else {})})
+    index = {"metadata": {}, "weight_map": {name: shard_name for shard_name, tensors in names.items() for name in tensors}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    file.close()
+
+
+def test_sharded_trellis_files_load_and_must_agree_on_k_and_seed(converted, tmp_path, capsys):
+    shard(converted["trellis-4"], tmp_path / "agree", {})
+    one_file = decode(load_model(converted["trellis-4"]), PROMPT[:4])
+    assert np.array_equal(decode(load_model(tmp_path / "agree"), PROMPT[:4]), one_file)
+    shard(converted["trellis-4"], tmp_path / "differ", {"duet.trellis.seed": "99"})
+    assert main(["--headless", "the", "--raw", "--model", str(tmp_path / "differ")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model-00002-of-00002.safetensors" in err
+    assert "trellis metadata (k, seed) differs from the checkpoint's other files" in err
+
+
 @pytest.mark.parametrize("row_scale, found", [
     (lambda scale: scale.astype(np.float16), "F16 [64]"),  # the right length, the wrong type
     (lambda scale: scale[:-1], "F32 [63]"),  # the right type, one row short
