@@ -72,9 +72,9 @@ def test_trellis_linear_matches_the_dequantized_weight_and_is_row_independent():
 
 
 def rewrite(src, dst, metadata=None, drop_tile=False, coded_as=None, row_scale=None):
-    """A copy of the trellis folder with its metadata changed, one tile cut off a matrix, (coded_as)
-    layer 0's down_proj codes standing in for another module's 16-bit weight, or (row_scale) layer 1's
-    down_proj row scale made another array by the given function."""
+    """A copy of the trellis folder with its metadata changed (None: a key left out), one tile cut off
+    a matrix, (coded_as) layer 0's down_proj codes standing in for another module's 16-bit weight, or
+    (row_scale) layer 1's down_proj row scale made another array by the given function."""
     shutil.copytree(src, dst)
     file = SafetensorsFile(src / "model.safetensors")
     tensors = {}
@@ -90,7 +90,8 @@ def rewrite(src, dst, metadata=None, drop_tile=False, coded_as=None, row_scale=N
         if coded_as and name == f"model.layers.0.mlp.{coded_as}.weight":
             continue
         tensors[name] = (dtype, data.shape, data.tobytes())
-    write_safetensors(dst / "model.safetensors", tensors, {**file.metadata, **(metadata or {})})
+    changed = {**file.metadata, **(metadata or {})}
+    write_safetensors(dst / "model.safetensors", tensors, {key: value for key, value in changed.items() if value is not None})
     file.close()
     return dst
 
@@ -98,7 +99,9 @@ def rewrite(src, dst, metadata=None, drop_tile=False, coded_as=None, row_scale=N
 @pytest.mark.parametrize("change, message", [
     ({"duet.version": "7"}, "trellis metadata version '7' is not '1'"),
     ({"duet.trellis.k": "5"}, "duet.trellis.k '5' is not one of 2, 3, 4"),
+    ({"duet.trellis.k": None}, "duet.trellis.k '' is not one of 2, 3, 4"),  # None: the key is left out
     ({"duet.trellis.seed": "x"}, "duet.trellis.seed 'x' is not a non-negative integer"),
+    ({"duet.trellis.seed": None}, "duet.trellis.seed '' is not a non-negative integer"),
     ({"duet.trellis.multipliers": "{"}, "duet.trellis.multipliers has no multiplier for k=4"),
     ({"duet.trellis.multipliers": json.dumps({"4": 12345})}, "multiplier 12345 for k=4 is not this duet's"),
 ])
