@@ -908,6 +908,11 @@ class UnitPlanes:
         return self.codes.nbytes + self.scale.nbytes + self.minimum.nbytes
 
     @property
+    def width(self) -> int:
+        """Adjacent positions a lane holds in a run: 4 (quads), 2 (nibble pairs) or 1."""
+        return self.codes.shape[3]
+
+    @property
     def flat_codes(self) -> np.ndarray:
         """codes as [G, positions * L] (a view): the w4a8 kernels loop over a group's bytes flat."""
         return self.codes.reshape(self.codes.shape[0], -1)
@@ -1073,15 +1078,14 @@ class W4A8Linear(TiledLinear):
 
     def __init__(self, weight: W4Weight | BlockMatrix, kernels: str | None = None):
         p = self.planes = repack(weight, min(ACT_BLOCK, weight.block_size()), quads=(kernels or int8_dot_kernels()[0]) == "vnni")
-        self.width = 4 if p.quads else 2 if p.nibbles else 1
-        self.offsets = position_offsets(p.unit, p.unit // 2 if p.nibbles else p.unit, self.width, p.units * p.group)
+        self.offsets = position_offsets(p.unit, p.unit // 2 if p.nibbles else p.unit, p.width, p.units * p.group)
 
     def prepare(self, x: np.ndarray):
         p = self.planes
         T, lanes = x.shape[0], p.units * p.group
-        q = np.empty((T, p.unit * lanes), np.int16 if self.width == 1 else np.int8)
+        q = np.empty((T, p.unit * lanes), np.int16 if p.width == 1 else np.int8)
         x_scale, x_sum = np.empty((T, lanes), np.float32), np.empty((T, p.units), np.float32)
-        _int8_lanes(np.ascontiguousarray(x, dtype=np.float32), p.unit, p.group, self.offsets, self.width, q, x_scale, x_sum)
+        _int8_lanes(np.ascontiguousarray(x, dtype=np.float32), p.unit, p.group, self.offsets, p.width, q, x_scale, x_sum)
         # the kernels undo the nibbles' + 8, or the vpdpbusd bytes' + 128, with each lane's unit sum
         lane_sum = np.repeat(x_sum.astype(np.int32), p.group, axis=1) if p.nibbles or p.quads else None
         return q, x_scale, x_sum, lane_sum
