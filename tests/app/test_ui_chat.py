@@ -9,6 +9,7 @@ import pytest
 from pilot_wait import record_notices, wait_for
 from textual.widgets import Collapsible, Input, Label, Markdown, Select, Static
 
+from duet.app import session as session_module
 from duet.app.settings import Config, load_config, user_paths
 from duet.app.store import Store
 from duet.app.session import EngineChoices, Launch
@@ -153,10 +154,46 @@ async def test_send_streams_a_reply_and_saves_both_messages(make_app):
         assert screen.query_one("#prompt", Input).value == ""
 
 
-async def test_keys_work_while_a_reply_streams_and_esc_stops_it(make_app, endless_model):
-    # a reply far longer than the keys take to press: Pilot waits up to 1 s, twice a key, for the
-    # process to go idle, which it never does while the engine decodes (~2 s a press); the tiny
-    # model decoded the old 4,000-token limit in less time than that
+class PacedEngine:
+    """The engine's event stream, let through a counted number of events at a time.
+
+    `generate` is a generator: while its consumer (the reply worker) waits here, the engine computes
+    nothing, so a test can press keys "while a reply streams" on any machine, however fast."""
+
+    def __init__(self, generate):
+        self.generate, self.allowed, self.passed = generate, 1, 0
+        self.changed = threading.Condition()
+
+    def __call__(self, *args, **kwargs):
+        for event in self.generate(*args, **kwargs):
+            with self.changed:
+                self.changed.wait_for(lambda: self.passed < self.allowed, timeout=30)
+                self.passed += 1
+            yield event
+
+    def allow(self, events: int) -> None:
+        with self.changed:
+            self.allowed += events
+            self.changed.notify_all()
+
+    @property
+    def held(self) -> bool:
+        return self.passed == self.allowed
+
+    async def until_shown(self, pilot, screen) -> None:
+        """One cycle at a time until the reply shows text (a token can be part of a character)."""
+        for _ in range(100):
+            await wait_for(pilot, lambda: self.held)
+            await pilot.pause(0.05)
+            if screen.streaming and screen.reply_view.text:
+                return
+            self.allow(1)
+        raise AssertionError("the reply showed no text in 100 cycles")
+
+
+async def test_keys_work_while_a_reply_streams_and_esc_stops_it(make_app, endless_model, monkeypatch):
+    paced = PacedEngine(session_module.generate)
+    monkeypatch.setattr(session_module, "generate", paced)
     app = make_app(Config(max_tokens=100_000), model=endless_model)
     async with app.run_test(size=SIZE) as pilot:
         screen = await loaded(pilot)
@@ -165,7 +202,7 @@ async def test_keys_work_while_a_reply_streams_and_esc_stops_it(make_app, endles
         screen.post_message = lambda message: posted.append(message) or original(message)
         screen.query_one("#prompt", Input).value = "over the lazy dog"
         await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.streaming and screen.reply_view.text)
+        await paced.until_shown(pilot, screen)
         await pilot.press("ctrl+b")  # hide the conversation list
         assert not screen.query_one(ConversationList).display
         await pilot.press("a", "b", "c")
@@ -173,11 +210,14 @@ async def test_keys_work_while_a_reply_streams_and_esc_stops_it(make_app, endles
         await pilot.press("ctrl+t")  # lossy acceptance, read by the engine from its next cycle
         assert screen.session.switches.accept == "lossy"
         assert screen.streaming
+        paced.allow(300)  # cycles run lossy, streaming as fast as the engine goes
+        await wait_for(pilot, lambda: paced.held)
         await pilot.press("escape")
+        paced.allow(100_000)
         await wait_for(pilot, lambda: not screen.streaming)
         reply = saved_messages(app)[-1]
-        assert reply.stopped and reply.accept in ("lossy", "exact→lossy")  # exact first if a cycle ran before ctrl+t
-        assert reply.stats["generated_tokens"] < 100_000
+        assert reply.stopped and reply.accept == "exact→lossy"
+        assert 300 <= reply.stats["generated_tokens"] < 400
         view = screen.query(MessageView).last()
         assert view.has_class("-stopped") and "stopped" in view.border_title
         streamed = [m for m in posted if isinstance(m, ChatScreen.Streamed)]
