@@ -21,7 +21,7 @@ import threading
 import time
 
 import pytest
-from pilot_wait import record_notices, wait_for
+from pilot_wait import pace, record_notices, wait_for
 from textual.widgets import Input, Select
 from textual.worker import WorkerState
 
@@ -37,7 +37,6 @@ from duet.app.ui.widgets.message_view import MessageView
 
 SIZE = (140, 40)
 LONG = 2000  # tokens: far more than any test lets a reply write before it stops it
-PASS_SECONDS = 0.02  # a pass of a large model on a consumer GPU, about 50 tok/s
 REFUSED = "A reply is being written"
 pytestmark = pytest.mark.anyio
 
@@ -89,21 +88,6 @@ class Received:
     @property
     def done(self) -> list[ReplyDone]:
         return [e for e in self.events if isinstance(e, ReplyDone)]
-
-
-def pace(lm, seconds: float = PASS_SECONDS) -> None:
-    """Make each forward pass of the tiny model take at least `seconds`, as a real model's does on a GPU:
-    a real slow-down (the engine runs every pass) so a test's actions land while the reply is written,
-    and a reply that is not stopped would run for a minute (LONG tokens)."""
-    forward = lm.model.forward
-
-    def paced_forward(*args, **kwargs):
-        started = time.perf_counter()
-        out = forward(*args, **kwargs)
-        time.sleep(max(0.0, seconds - (time.perf_counter() - started)))
-        return out
-
-    lm.model.forward = paced_forward
 
 
 def chat(app) -> ChatScreen:

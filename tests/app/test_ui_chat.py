@@ -6,7 +6,7 @@ import json
 import threading
 
 import pytest
-from pilot_wait import record_notices, wait_for
+from pilot_wait import pace, record_notices, wait_for
 from textual.widgets import Collapsible, Input, Label, Markdown, Select, Static
 
 from duet.app import session as session_module
@@ -66,8 +66,9 @@ async def send(pilot, text: str) -> ChatScreen:
 
 
 async def start_streaming(pilot, text: str = "the lazy dog") -> ChatScreen:
-    """Send a message and return once its reply has started streaming."""
+    """Send a message and return once its reply has started streaming, paced to last past the test's keys."""
     screen = await loaded(pilot)
+    pace(screen.host.lm)
     screen.query_one("#prompt", Input).value = text
     await pilot.press("enter")
     await wait_for(pilot, lambda: screen.streaming and screen.reply_view.text)
