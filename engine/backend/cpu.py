@@ -24,7 +24,9 @@ from duet.engine.weights import BF16Matrix, InputOrder
 # 8224 x 1024 at 2048 tokens: 176 GFLOPS by weight rows and copy, 259 by tokens). Whole 0.8B
 # prefills, in-process A/B: 2048 tokens 103.3 -> 120.1 tok/s, 1024 tokens 1.01x-1.06x; at 256 and
 # 512 no gain beyond noise, and at 128 the weight-row split is ahead (142 against 112 GFLOPS).
-# Cut anywhere, the token runs give the same bits as one product (75 of 75 shapes and cuts checked).
+# The token runs give one product's values to summation order: OpenBLAS picks its kernel by shape,
+# so the last bits may differ (they did on an AMD EPYC with AVX-512; on an Intel Xeon 75 of 75 cuts
+# were bit-identical). Decode and verify rows never take this path: each row is its own product.
 TOKEN_SPLIT_MIN = 1024
 
 

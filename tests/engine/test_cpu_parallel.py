@@ -1,5 +1,8 @@
 """Prefill's work split between cores (engine.backend.threads.in_parallel): every item once, nested
-splits run whole, errors surface, and results are bit-identical to one part's."""
+splits run whole, errors surface, and results are those of one part: bit-identical where our code
+fixes the summation order, within the summation-order bound where BLAS does (OpenBLAS picks its
+kernel by a product's shape: on an AMD EPYC with AVX-512 a run of 150 tokens and all 300 gave
+different last bits)."""
 
 from __future__ import annotations
 
@@ -77,6 +80,18 @@ def tiny_model(tmp_path_factory):
     return load_model(folder, tokenizer=False, backend="cpu").model
 
 
+def within_summation_order(got: np.ndarray, want: np.ndarray, x: np.ndarray, weight: np.ndarray) -> bool:
+    """|got - want| within K float32 roundings of sum |x||w| (the bound on any order of a K-term sum),
+    on both sides."""
+    bound = 2 * x.shape[-1] * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(weight).T)
+    return bool((np.abs(got - want) <= bound).all())
+
+
+# Hidden and DeltaNet states after a whole prefill: a few layers of products each within its
+# summation-order bound (~1e-6 relative) compound; a wrong split (rows or heads mixed up) is O(1).
+PREFILL_RTOL = 1e-4
+
+
 def prefill(model, parts: int, monkeypatch, tokens):
     monkeypatch.setattr(threads, "PARTS", parts)
     state = model.new_state()
@@ -85,13 +100,14 @@ def prefill(model, parts: int, monkeypatch, tokens):
     return hidden, deltanet
 
 
-def test_prefill_is_bit_identical_split_or_not(tiny_model, monkeypatch):
+def test_prefill_split_or_not_agrees_to_summation_order(tiny_model, monkeypatch):
     tokens = list(np.random.default_rng(0).integers(0, tiny_model.config.vocab_size, 90))
     one_hidden, one_states = prefill(tiny_model, 1, monkeypatch, tokens)
     for parts in (2, 3):  # 3 parts: uneven, and more parts than the 2 key heads
         hidden, states = prefill(tiny_model, parts, monkeypatch, tokens)
-        assert np.array_equal(hidden, one_hidden)
-        assert all(np.array_equal(a, b) for a, b in zip(states, one_states))
+        np.testing.assert_allclose(hidden, one_hidden, rtol=0, atol=PREFILL_RTOL * np.abs(one_hidden).max())
+        for a, b in zip(states, one_states):
+            np.testing.assert_allclose(a, b, rtol=0, atol=PREFILL_RTOL * np.abs(b).max())
 
 
 @pytest.mark.parametrize("linear", [cpu.W4A16Linear, cpu.W4A8Linear])
@@ -121,10 +137,11 @@ def test_the_feature_major_product_is_the_transposed_product(linear, rows, monke
 
 
 @pytest.mark.parametrize("layout", ["token-major", "feature-major"])
-def test_a_long_prefill_split_by_tokens_gives_the_bits_of_one_product(layout, monkeypatch):
-    """Past TOKEN_SPLIT_MIN tokens each core takes a run of tokens: the bits equal one unsplit
-    product and the weight-row split's, whether x comes token-major or as a transposed
-    feature-major array (as the MLP's down projection gets it)."""
+def test_a_long_prefill_split_by_tokens_gives_one_products_values(layout, monkeypatch):
+    """Past TOKEN_SPLIT_MIN tokens each core takes a run of tokens: the values equal one unsplit
+    product's and the weight-row split's (to summation order: BLAS may pick its kernel by shape),
+    whether x comes token-major or as a transposed feature-major array (as the MLP's down
+    projection gets it)."""
     rng = np.random.default_rng(5)
     layer = cpu.DenseLinear(rng.standard_normal((640, 256), dtype=np.float32))
     x = rng.standard_normal((300, 256), dtype=np.float32)
@@ -136,5 +153,5 @@ def test_a_long_prefill_split_by_tokens_gives_the_bits_of_one_product(layout, mo
     by_rows = layer.by_feature(x).T
     for parts in (2, 3):
         monkeypatch.setattr(threads, "PARTS", parts)
-        assert np.array_equal(layer(x), whole)
-    assert np.array_equal(by_rows, whole)
+        assert within_summation_order(layer(x), whole, x, layer.weight)
+    assert within_summation_order(by_rows, whole, x, layer.weight)

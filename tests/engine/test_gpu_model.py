@@ -5,12 +5,16 @@ where the backend's Python runs over numpy twins of the kernels on every machine
 orchestration (buffers, capture and replay, rollback, the route switch), not the CUDA code.
 The backend choice's refusal without a GPU runs here too.
 
-The models are the shipped demo model (trained, so its next-token distributions are peaked: a
-greedy pick is not a near-tie that fp32 summation order could flip), in the geometry our kernels
-take, as bf16, INT4 and GGUF Q8_0 files; each has an MTP head. They need no torch, which GPU
-machines may lack. Tolerances:
-- greedy tokens: equal to the CPU engine's (the contract; the peaked distributions make it meaningful);
-- logits along a forced sequence: within LOGIT_RTOL of the largest |logit|: the bf16 KV cache
+The models are the shipped demo model (trained, so its next-token distributions are mostly peaked),
+in the geometry our kernels take, as bf16, INT4 and GGUF Q8_0 files; each has an MTP head. They need
+no torch, which GPU machines may lack. Tolerances:
+- greedy tokens: equal to the CPU engine's, or first different at a step whose pick is not decided:
+  where the two engines' logits, along the CPU's reply, differ by more than half the CPU's margin
+  between its top two, summation order may pick the other token (a q4 KV row or an int8 activation
+  one step apart moves a logit by ~0.03; on an AMD EPYC's OpenBLAS that flipped a 0.01 margin 17
+  tokens in), and the replies may part there;
+- logits along a forced sequence: the same picks where decided (at least DECIDED_MIN of the 25
+  steps, so the check is never vacuous), and within LOGIT_RTOL of the largest |logit|: the bf16 KV cache
   keeps bf16 rows on the card (fp32 on the CPU), and a quantized route rounds activations, so a
   last-bit difference in a sum can move a value by one bf16 or int8 step;
 - a replayed CUDA graph against the uncaptured pass: within CAPTURE_RTOL (the same kernels on the
@@ -33,6 +37,7 @@ from duet.engine.tokenizer import Tokenizer
 cp = cupy_fixture()
 MODELS = Path(__file__).resolve().parents[2] / "models"
 LOGIT_RTOL = 2e-2
+DECIDED_MIN = 20
 CAPTURE_RTOL = 1e-5
 CASES = [("demo", "bf16"), ("demo_int4", "w4a16"), ("demo_int4", "w4a8"), ("demo_gguf", "w4a8")]
 
@@ -93,35 +98,53 @@ def test_logits_along_a_forced_sequence_match_the_cpu_model(models, prompt, monk
     want = decode_logits(cpu_lm.model, kv, prompt, 24)
     got = decode_logits(gpu_lm.model, kv, prompt, 24, forced=[int(t) for t in want.argmax(axis=-1)])
     worst = np.abs(got - want).max() / np.abs(want).max()
-    print(f"{fmt:9} {route:6} kv {kv:4}: worst |gpu - cpu| {worst:.2e} of the largest logit")
+    decided = decided_rows(want, got)
+    print(f"{fmt:9} {route:6} kv {kv:4}: worst |gpu - cpu| {worst:.2e} of the largest logit; "
+          f"{decided.sum()} of {len(want)} picks decided")
     assert worst <= LOGIT_RTOL
-    assert np.array_equal(got.argmax(axis=-1), want.argmax(axis=-1))
+    assert np.array_equal(got.argmax(axis=-1)[decided], want.argmax(axis=-1)[decided])
+    assert decided.sum() >= DECIDED_MIN
+
+
+def decided_rows(want: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """Rows whose greedy pick the difference between the engines cannot flip: the CPU's top two are
+    more than twice the row's largest |gpu - cpu| apart (each may move by that much)."""
+    top_two = np.sort(want, axis=-1)[:, -2:]
+    return top_two[:, 1] - top_two[:, 0] > 2 * np.abs(got - want).max(axis=-1)
 
 
 @pytest.fixture(scope="module")
 def cpu_reply(models, prompt):
-    """The CPU engine's greedy reply for (format, route, kv), computed once for every drafter and device:
-    exact greedy acceptance makes the reply with drafts the reply without (test_speculative.py)."""
+    """The CPU engine's greedy reply for (format, route, kv) and which of its picks are decided
+    (decided_rows: the device's logits along that reply against the CPU's), computed once for every
+    drafter: exact greedy acceptance makes the reply with drafts the reply without (test_speculative.py)."""
     replies = {}
 
-    def reply(fmt: str, route: str, kv: str) -> list[int]:
-        if (fmt, route, kv) not in replies:
+    def reply(device, fmt: str, route: str, kv: str) -> tuple[list[int], np.ndarray]:
+        key = type(device).__name__, fmt, route, kv  # the CPU's reply, and how far the device's picks are decided
+        if key not in replies:
             with pytest.MonkeyPatch.context() as monkeypatch:
-                replies[fmt, route, kv], _ = greedy_tokens(load(models[fmt], route, "cpu", monkeypatch), prompt, kv, "none")
-        return replies[fmt, route, kv]
+                cpu_lm = load(models[fmt], route, "cpu", monkeypatch)
+                tokens, _ = greedy_tokens(cpu_lm, prompt, kv, "none")
+                want = decode_logits(cpu_lm.model, kv, prompt, len(tokens) - 1)
+                got = decode_logits(load(models[fmt], route, "cupy", monkeypatch).model, kv, prompt, len(tokens) - 1,
+                                    forced=tokens)
+            replies[key] = tokens, decided_rows(want, got)
+        return replies[key]
 
     return reply
 
 
-@pytest.mark.usefixtures("cp")
 @pytest.mark.parametrize("draft", ["none", "ngram", "mtp"])
 @pytest.mark.parametrize("kv", ["bf16", "q4"])
 @pytest.mark.parametrize("fmt,route", CASES)
-def test_greedy_tokens_equal_the_cpu_engines(models, prompt, cpu_reply, monkeypatch, fmt, route, kv, draft):
-    """Every drafter, both KV caches, each route: the GPU's reply is the CPU's, token for token."""
-    want = cpu_reply(fmt, route, kv)
+def test_greedy_tokens_equal_the_cpu_engines(cp, models, prompt, cpu_reply, monkeypatch, fmt, route, kv, draft):
+    """Every drafter, both KV caches, each route: the GPU's reply is the CPU's, token for token, or
+    parts from it first at a pick that is not decided (decided_rows)."""
+    want, decided = cpu_reply(cp, fmt, route, kv)
     got, stats = greedy_tokens(load(models[fmt], route, "cupy", monkeypatch), prompt, kv, draft)
-    assert got == want
+    parted = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    assert got == want if parted is None else not decided[parted]
     assert draft == "none" or stats["drafted"] > 0
 
 
