@@ -11,6 +11,7 @@ import numpy as np
 
 from duet.engine.backend.cpu_ops import CPU
 from duet.engine.config import FULL_ATTENTION, ModelConfig
+from duet.engine.flash_next import PLE, FlashLayer, FlashNextModel, HyperConnection, IndexedAttention, Indexer, NGramHash
 from duet.engine.heads import RescoredHead, shortlist_ids
 from duet.engine.model import MLP, Attention, DecoderLayer, DeltaNet, Model, MoE, MTPHead
 from duet.engine.weights import HEAD_KEY, ModelWeights, row_runs, take_rows
@@ -26,6 +27,8 @@ def assemble(weights: ModelWeights, route: str, host_tables: bool = False, ops=C
     """
     c = weights.config
     get = Linears(weights, route, ops)
+    if c.flash is not None:
+        return _flash_next(c, get, host_tables)
     layers = [_layer(c, get, f"layers.{i}.", kind, c.moe_layers[i]) for i, kind in enumerate(c.layer_types)]
     lm_head, draft_head = _heads(c, get, host_tables)
     mtp = None
@@ -145,5 +148,59 @@ def _moe(c: ModelConfig, get: Linears, p: str) -> MoE:
         shared_gate=get.linear(p + "shared_expert_gate.weight"),
         top_k=c.num_experts_per_tok,
         normalize=c.norm_topk_prob,
+        ops=get.ops,
+    )
+
+
+def _flash_next(c: ModelConfig, get: Linears, host_tables: bool) -> FlashNextModel:
+    layers = []
+    for i, kind in enumerate(c.layer_types):
+        p = f"layers.{i}."
+        if kind == FULL_ATTENTION:
+            mixer = IndexedAttention(_attention(c, get, p + "self_attn."), _indexer(c, get, p + "self_attn.indexer."))
+        else:
+            mixer = _deltanet(c, get, p + "linear_attn.")
+        ple = _ple(c, get, p + "ple.") if i in c.flash.ple_layers else None
+        layers.append(FlashLayer(mixer, _moe(c, get, p + "mlp."), _hyper_connection(c, get, p + "attn_hyper_connection."),
+                                 _hyper_connection(c, get, p + "mlp_hyper_connection."), ple))
+    lm_head, draft_head = _heads(c, get, host_tables)
+    embed = get.ops.embedding(get("embed_tokens.weight"), lm_head if c.tie_word_embeddings else None)
+    mixer = _hyper_connection(c, get, "hyper_connection_mixer.", inject=False)
+    return FlashNextModel(c, embed, layers, mixer, lm_head, None, draft_head, get.ops)
+
+
+def _hyper_connection(c: ModelConfig, get: Linears, p: str, inject: bool = True) -> HyperConnection:
+    return HyperConnection(
+        norm=get.norm(p + "hc_norm.weight"),
+        down=get.linear(p + "input_mix_weight_down.weight"),
+        up=get.linear(p + "input_mix_weight_up.weight"),
+        inject=get.linear(p + "block_inject_weight.weight") if inject else None,
+        hc=c.flash.hc_count,
+        eps=c.rms_norm_eps,
+        ops=get.ops,
+    )
+
+
+def _indexer(c: ModelConfig, get: Linears, p: str) -> Indexer:
+    f = c.flash
+    return Indexer(get.linear(p + "index_qk_proj.weight"), get.norm(p + "q_layernorm.weight"),
+                   get.norm(p + "k_layernorm.weight"), f.indexer_heads, f.indexer_compress_ratio, f.block_topk, c, get.ops)
+
+
+def _ple(c: ModelConfig, get: Linears, p: str) -> PLE:
+    f, e = c.flash, p + "ple_embedding."
+    ngrams = NGramHash(get(e + "ngram_embedding.weight"), get(e + "layer_multipliers"), get(e + "ngram_heads_vocab_sizes"),
+                       get(e + "ngram_heads_offsets"), f.heads_per_ngram, c.eos_token_ids[0])
+    return PLE(
+        ngrams=ngrams,
+        key_proj=get.linear(p + "key_proj.weight"),
+        value_proj=get.linear(p + "value_proj.weight"),
+        norm_key=get.norm(p + "norm_key.weight"),
+        norm_query=get.norm(p + "norm_query.weight"),
+        norm_conv=get.norm(p + "norm_conv.weight"),
+        conv=get.vector(get(p + "conv1d.weight")[:, 0, :]),
+        dilation=f.ngram_size,
+        hc=f.hc_count,
+        eps=c.rms_norm_eps,
         ops=get.ops,
     )

@@ -165,6 +165,85 @@ class DeltaNetState:
         self.recurrent = self.row_states[rows - 1]
 
 
+class IndexedKVCache:
+    """A QSA layer's cache (Flash-Next): its keys and values (`kv`, full or q4) and the indexer's raw keys
+    [length, d]; every complete block of `ratio` raw keys is also kept pooled (mean, normed, rotated to
+    the block's first position), made once, when the block completes. Buffers grow by doubling."""
+
+    def __init__(self, kv, index_dim: int, ratio: int):
+        self.kv, self.ratio = kv, ratio
+        self._raw = np.zeros((256, index_dim), np.float32)
+        self._blocks = np.zeros((256 // ratio + 1, index_dim), np.float32)
+        self.done_blocks = 0
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    @property
+    def raw(self) -> np.ndarray:
+        return self._raw[: self.length]
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """Pooled keys of the complete blocks [length // ratio, d]."""
+        return self._blocks[: self.done_blocks]
+
+    def append_index_keys(self, raw: np.ndarray, pool) -> None:
+        """Raw index keys [T, d] of the rows just appended to kv; pool(first_block, raw_blocks
+        [n, ratio, d]) -> pooled keys [n, d] for the blocks they complete."""
+        end = self.length
+        self._raw = _grow_to(self._raw, end)
+        self._raw[end - raw.shape[0] : end] = raw
+        complete = end // self.ratio
+        if complete > self.done_blocks:
+            done = self.done_blocks
+            new = self._raw[done * self.ratio : complete * self.ratio].reshape(complete - done, self.ratio, -1)
+            self._blocks = _grow_to(self._blocks, complete)
+            self._blocks[done:complete] = pool(done, new)
+            self.done_blocks = complete
+
+    def truncate(self, length: int) -> None:
+        self.kv.truncate(length)
+        self.done_blocks = min(self.done_blocks, self.kv.length // self.ratio)
+
+
+def _grow_to(array: np.ndarray, rows: int) -> np.ndarray:
+    """array with room for `rows` rows along axis 0 (capacity doubles), its rows kept."""
+    if rows <= array.shape[0]:
+        return array
+    grown = np.zeros((max(rows, 2 * array.shape[0]), *array.shape[1:]), array.dtype)
+    grown[: array.shape[0]] = array
+    return grown
+
+
+class PLEState:
+    """A PLE layer's history (Flash-Next): the last ngram_size - 1 token ids (EOS before the first) and the
+    last (kernel - 1) * dilation inputs of its dilated conv. A short call keeps its whole windows so
+    keep(n) can make the state after its first n rows current."""
+
+    def __init__(self, context: int, eos: int, conv_rows: int, channels: int):
+        self.tokens = np.full(context, eos, np.int64)
+        self.conv = np.zeros((conv_rows, channels), np.float32)
+        self.token_window: np.ndarray | None = None  # [context + T] ids of the last short call
+        self.conv_window: np.ndarray | None = None  # [conv_rows + T, channels]
+
+    def keep(self, rows: int) -> None:
+        self.tokens = self.token_window[rows : rows + len(self.tokens)].copy()
+        self.conv = self.conv_window[rows : rows + self.conv.shape[0]].copy()
+
+
+class WithPLE:
+    """A DeltaNet layer's state and its PLE's, rolled back together."""
+
+    def __init__(self, mixer: DeltaNetState, ple: PLEState):
+        self.mixer, self.ple = mixer, ple
+
+    def keep(self, rows: int) -> None:
+        self.mixer.keep(rows)
+        self.ple.keep(rows)
+
+
 class SequenceState:
     """Everything one sequence needs to continue: a cache per layer and the token count."""
 
@@ -182,7 +261,7 @@ class SequenceState:
         """Roll back the last (row-by-row) call to its first `rows` rows."""
         end = self.length_before_last_call + rows
         for cache in self.layers:
-            if isinstance(cache, (KVCache, Q4KVCache)):
+            if isinstance(cache, (KVCache, Q4KVCache, IndexedKVCache)):
                 cache.truncate(end)
             else:
                 cache.keep(rows)
@@ -190,7 +269,7 @@ class SequenceState:
 
     def rewind(self, length: int) -> None:
         """Cut an attention-only state (the MTP head's) back to `length` tokens."""
-        assert all(isinstance(cache, (KVCache, Q4KVCache)) for cache in self.layers)
+        assert all(isinstance(cache, (KVCache, Q4KVCache, IndexedKVCache)) for cache in self.layers)
         for cache in self.layers:
             cache.truncate(length)
         self.length = length

@@ -1,7 +1,9 @@
 """ModelConfig: the geometry of a Qwen3.5-family hybrid model, read from config.json.
 
 One plain dataclass for every supported model type. Multimodal checkpoints (`qwen3_5`,
-`qwen3_5_moe`) nest the text model under `text_config`; the vision part is ignored.
+`qwen3_5_moe`, `qwen4_exp`) nest the text model under `text_config`; the vision part is ignored.
+Flash-Next (`qwen4_exp`) adds its hyper-connection, n-gram (PLE) and QSA indexer geometry in
+`ModelConfig.flash` (REFERENCE.md section 7).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from duet.engine.errors import CheckpointError
 
 DENSE_TYPES = {"qwen3_5", "qwen3_5_text"}
 MOE_TYPES = {"qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
-SUPPORTED_TYPES = DENSE_TYPES | MOE_TYPES
+FLASH_TYPES = {"qwen4_exp", "qwen4_exp_text"}
+SUPPORTED_TYPES = DENSE_TYPES | MOE_TYPES | FLASH_TYPES
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
+INDEXED_ATTENTION = "indexed_attention"  # Flash-Next's name for its full attention, read through a QSA indexer
 
 # Bounds on what a config may declare. Nothing released comes near them: the deepest models have about
 # 128 layers (Llama 3.1 405B: 126), the largest vocabulary is 262 144 (Gemma 3), the widest matrix
@@ -38,9 +42,41 @@ INT_FIELDS = {
     "shared_expert_intermediate_size": (0, MAX_SIZE), "max_position_embeddings": (1, MAX_POSITIONS),
     "mtp_num_hidden_layers": (0, MAX_LAYERS), "full_attention_interval": (1, MAX_LAYERS),
     "decoder_sparse_step": (1, MAX_LAYERS),
+    # Flash-Next: hyper-connection streams, PLE n-gram embeddings, the QSA indexer
+    "hc_count": (2, 64), "hc_lowrank": (1, MAX_SIZE), "ple_embed_dim": (1, MAX_SIZE),
+    "ple_conv_kernel_size": (1, 64), "ngram_size": (2, 16), "heads_per_ngram": (1, 1024),
+    "split_ngram_parts": (1, 1 << 16), "indexer_n_heads": (1, MAX_SIZE), "indexer_kv_heads": (1, 1),
+    "indexer_head_dim": (1, MAX_SIZE), "indexer_budget": (1, MAX_POSITIONS), "indexer_compress_ratio": (1, MAX_POSITIONS),
 }
 # float field -> (bound it must exceed, most): finite, least < value <= most
 FLOAT_FIELDS = {"rope_theta": (0.0, 1e30), "partial_rotary_factor": (0.0, 1.0), "rms_norm_eps": (0.0, 0.5)}
+
+
+@dataclass(frozen=True)
+class FlashNextConfig:
+    """What Flash-Next (`qwen4_exp`) adds to the hybrid geometry. Its hash constants (multipliers, head
+    vocabularies and offsets) are read from the checkpoint, as the model was trained with them."""
+
+    hc_count: int  # residual streams
+    hc_lowrank: int  # rank of each hyper-connection's input mixer
+    ple_layers: tuple[int, ...]  # 0-based DeltaNet layers that add hashed n-gram embeddings
+    ple_embed_dim: int  # the concatenated n-gram heads' width
+    ple_conv_kernel: int  # taps of the PLE's dilated depthwise conv (dilation ngram_size)
+    ngram_size: int  # n-grams of 2..ngram_size tokens
+    heads_per_ngram: int
+    split_ngram_parts: int  # shards each HF n-gram table is stored in
+    indexer_heads: int  # QSA indexer query heads (one key head)
+    indexer_head_dim: int
+    indexer_budget: int  # tokens of complete blocks a query reads
+    indexer_compress_ratio: int  # tokens pooled into one index block
+
+    @property
+    def ngram_heads(self) -> int:
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def block_topk(self) -> int:
+        return self.indexer_budget // self.indexer_compress_ratio
 
 
 @dataclass(frozen=True)
@@ -75,6 +111,8 @@ class ModelConfig:
     max_position_embeddings: int = 262144
     mtp_num_hidden_layers: int = 0
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    output_gate: str = "silu"  # the DeltaNet gated norm's activation on z (Flash-Next may use sigmoid)
+    flash: FlashNextConfig | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -130,11 +168,15 @@ def _parse(raw: dict, source: str) -> ModelConfig:
     heads = need("num_attention_heads")
     layer_types = _layer_types(text, layers, opt("full_attention_interval", 4), source)
     rope = _rope(text, source)
-    num_experts = opt("num_experts", 0)
+    flash_type = model_type in FLASH_TYPES
+    num_experts = opt("num_experts", 512 if flash_type else 0)  # transformers' Qwen4ExpTextConfig defaults
     moe_layers = _moe_layers(text, model_type, layers, num_experts, source)
 
     eos = text.get("eos_token_id", raw.get("eos_token_id"))
     eos_ids = tuple(e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int))
+    flash = _flash_next(text, layer_types, hidden, need, opt, source) if flash_type else None
+    if flash is not None:
+        layer_types = tuple(FULL_ATTENTION if kind == INDEXED_ATTENTION else kind for kind in layer_types)
 
     config = ModelConfig(
         model_type=model_type,
@@ -154,9 +196,9 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         linear_conv_kernel_dim=opt("linear_conv_kernel_dim", 4),
         intermediate_size=opt("intermediate_size", 0),
         num_experts=num_experts,
-        num_experts_per_tok=opt("num_experts_per_tok", 0),
-        moe_intermediate_size=opt("moe_intermediate_size", 0),
-        shared_expert_intermediate_size=opt("shared_expert_intermediate_size", 0),
+        num_experts_per_tok=opt("num_experts_per_tok", 10 if flash_type else 0),
+        moe_intermediate_size=opt("moe_intermediate_size", 512 if flash_type else 0),
+        shared_expert_intermediate_size=opt("shared_expert_intermediate_size", 512 if flash_type else 0),
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
         moe_layers=moe_layers,
         rms_norm_eps=opt("rms_norm_eps", 1e-6),
@@ -164,6 +206,8 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         max_position_embeddings=opt("max_position_embeddings", 262144),
         mtp_num_hidden_layers=opt("mtp_num_hidden_layers", 0),
         eos_token_ids=eos_ids,
+        output_gate=_output_gate(text, source) if flash_type else "silu",
+        flash=flash,
     )
     _check_geometry(config, source)
     return config
@@ -205,9 +249,43 @@ def _layer_types(text: dict, layers: int, interval: int, source: str) -> tuple[s
     if types is None:
         return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers))
     if not isinstance(types, list) or len(types) != layers or \
-            not all(t in (FULL_ATTENTION, LINEAR_ATTENTION) for t in types):  # `in` a tuple: no hashing
-        raise CheckpointError(source, f"layer_types must list {layers} entries of {FULL_ATTENTION}/{LINEAR_ATTENTION}")
+            not all(t in (FULL_ATTENTION, LINEAR_ATTENTION, INDEXED_ATTENTION) for t in types):  # `in` a tuple: no hashing
+        raise CheckpointError(source, f"layer_types must list {layers} entries of {FULL_ATTENTION}/{LINEAR_ATTENTION}"
+                                      f" ({INDEXED_ATTENTION} in Flash-Next)")
     return tuple(types)
+
+
+def _output_gate(text: dict, source: str) -> str:
+    gate = text.get("output_gate_type") or text.get("hidden_act") or "silu"
+    if gate not in ("silu", "sigmoid"):
+        raise CheckpointError(source, f"output_gate_type {shown(gate)} is not supported; duet runs silu and sigmoid")
+    return gate
+
+
+def _flash_next(text: dict, layer_types: tuple[str, ...], hidden: int, need, opt, source: str) -> FlashNextConfig:
+    """Flash-Next's fields, with transformers' defaults where a config leaves one out."""
+    ple_ids = text.get("ple_layer_ids") or []
+    if not isinstance(ple_ids, list) or not all(type(i) is int and 1 <= i <= len(layer_types) for i in ple_ids):
+        raise CheckpointError(source, f"ple_layer_ids is {shown(ple_ids)}, not a list of layer numbers from 1 to "
+                                      f"{len(layer_types)}; the file is corrupt, re-download the model")
+    ple_layers = tuple(sorted({i - 1 for i in ple_ids}))
+    if any(layer_types[i] != LINEAR_ATTENTION for i in ple_layers):
+        raise CheckpointError(source, "ple_layer_ids names a layer that is not linear attention; PLE runs on "
+                                      "DeltaNet layers only")
+    flash = FlashNextConfig(
+        hc_count=opt("hc_count", 4), hc_lowrank=opt("hc_lowrank", 320), ple_layers=ple_layers,
+        ple_embed_dim=opt("ple_embed_dim", hidden), ple_conv_kernel=opt("ple_conv_kernel_size", 4),
+        ngram_size=opt("ngram_size", 3), heads_per_ngram=opt("heads_per_ngram", 8),
+        split_ngram_parts=opt("split_ngram_parts", 512), indexer_heads=need("indexer_n_heads"),
+        indexer_head_dim=need("indexer_head_dim"), indexer_budget=need("indexer_budget"),
+        indexer_compress_ratio=need("indexer_compress_ratio"))
+    opt("indexer_kv_heads", 1)  # checked: QSA has one key head
+    if flash.indexer_budget % flash.indexer_compress_ratio:
+        raise CheckpointError(source, "indexer_budget is not a multiple of indexer_compress_ratio")
+    if ple_layers and flash.ple_embed_dim % flash.ngram_heads:
+        raise CheckpointError(source, f"ple_embed_dim {flash.ple_embed_dim} is not a multiple of the "
+                                      f"{flash.ngram_heads} n-gram heads")
+    return flash
 
 
 def _rope(text: dict, source: str) -> tuple[float, float]:
@@ -251,5 +329,12 @@ def _check_geometry(c: ModelConfig, source: str) -> None:
         problems.append("num_experts_per_tok must be between 1 and num_experts")
     if not c.is_moe and c.intermediate_size <= 0:
         problems.append("intermediate_size is missing")
+    if c.flash is not None:
+        if not c.is_moe:
+            problems.append("Flash-Next needs num_experts")
+        if c.rotary_dim > c.flash.indexer_head_dim:
+            problems.append("the rotary dimension does not fit the QSA indexer head")
+        if c.flash.ple_layers and not c.eos_token_ids:
+            problems.append("PLE layers need eos_token_id (n-gram history stops at it)")
     if problems:
         raise CheckpointError(source, "; ".join(problems))

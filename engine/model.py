@@ -193,8 +193,9 @@ class Model:
         """
         return self.ops.forward(self, state, np.asarray(tokens, dtype=np.int64), last_only)
 
-    def run_layers(self, x, caches: list, pos, last_only: bool = False):
-        """Every layer over x [T, H] (embedded tokens) at position pos, then the final norm."""
+    def run_layers(self, x, caches: list, pos, last_only: bool = False, ids: np.ndarray | None = None):
+        """Every layer over x [T, H] (embedded tokens) at position pos, then the final norm. ids: the
+        tokens themselves, which these layers do not read (Flash-Next's n-gram layers do)."""
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             x = layer(x, cache, pos, last_only and i == last)

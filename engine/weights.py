@@ -7,6 +7,7 @@ A stored matrix is one of:
     BlockMatrix     a GGUF file's quantized blocks as they are (engine/quant/gguf_blocks.py)
     TrellisWeight   trellis-coded tiles, Hadamard-rotated (engine/quant/trellis.py)
     InputOrder      any of the above whose input columns are stored in another order
+A table read a few rows at a time and never whole (Flash-Next's n-gram embeddings) is a ShardedRows.
 Readers produce these (engine/checkpoint/*); the assembler (engine/assemble.py) hands them to a
 backend, which turns each into a Linear of the chosen route. Nothing here computes a product.
 """
@@ -57,6 +58,41 @@ class InputOrder:
 
     weight: object
     order: np.ndarray
+
+
+@dataclass(frozen=True)
+class ShardedRows:
+    """A table stored in shards along its rows (HF's `ngram_embedding.shard_{j}.weight`), kept as views
+    of the memory-mapped files: a lookup gathers its rows from the page cache. Never read whole and
+    never concatenated: Flash-Next's n-gram tables are tens of GB and a token reads a few rows."""
+
+    shards: tuple[np.ndarray, ...]  # [rows_j, D] each: fp32 or fp16 values, or bf16 bits (uint16)
+    bf16: bool
+
+    @property
+    def starts(self) -> np.ndarray:
+        """First row of each shard, then the row count."""
+        return np.concatenate([[0], np.cumsum([len(shard) for shard in self.shards])])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.starts[-1]), self.shards[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(shard.nbytes for shard in self.shards)
+
+    def __getitem__(self, ids: np.ndarray) -> np.ndarray:
+        """Rows [*ids.shape, D] in fp32; ids must be below the row count."""
+        flat = np.asarray(ids, dtype=np.int64).ravel()
+        starts = self.starts
+        shard_of = np.searchsorted(starts, flat, side="right") - 1
+        out = np.empty((flat.size, self.shape[1]), np.float32)
+        for j in np.unique(shard_of):
+            at = np.nonzero(shard_of == j)[0]
+            rows = self.shards[j][flat[at] - starts[j]]
+            out[at] = bf16_to_f32(rows) if self.bf16 else rows
+        return out.reshape(*np.shape(ids), self.shape[1])
 
 
 @dataclass

@@ -41,6 +41,19 @@ def moe_fields(**overrides) -> dict:
     return fields
 
 
+def flash_fields(**overrides) -> dict:
+    """Flash-Next (qwen4_exp) at toy size: 3 residual streams; PLE on DeltaNet layers 1 and 3 (1-based)
+    with 2- and 3-grams, two hashed heads each, tables in 4 shards, history cut at <|im_end|>; a QSA
+    indexer that reads its 4 best blocks of 4 tokens plus the tail; the DeltaNet gate a sigmoid."""
+    fields = dict(moe_fields(), hc_count=3, hc_lowrank=24, ple_layer_ids=[1, 3], ple_embed_dim=32, ngram_size=3,
+                  heads_per_ngram=2, ngram_vocab_size_base=100, make_ngram_vocab_size_divisible_by=16,
+                  split_ngram_parts=4, indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16,
+                  indexer_compress_ratio=4, eos_token_id=SPECIALS.index("<|im_end|>"), output_gate_type="sigmoid",
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    fields.update(overrides)
+    return fields
+
+
 def randomize(model, seed: int) -> None:
     """Weights large enough that logits spread out (the default init makes every logit ~0)."""
     import torch
@@ -58,7 +71,8 @@ def randomize(model, seed: int) -> None:
 
 
 def build_reference(kind: str, tie: bool = False, seed: int = 0, **overrides):
-    """A random transformers model of `kind`: qwen3_5_text, qwen3_5, qwen3_5_moe_text, qwen3_5_moe, qwen3_next."""
+    """A random transformers model of `kind`: qwen3_5_text, qwen3_5, qwen3_5_moe_text, qwen3_5_moe, qwen3_next,
+    qwen4_exp_text, qwen4_exp (Flash-Next, flash_fields)."""
     import torch
     import transformers as tf
 
@@ -76,6 +90,12 @@ def build_reference(kind: str, tie: bool = False, seed: int = 0, **overrides):
             tf.Qwen3_5MoeConfig(text_config={**text, **moe_fields()}, vision_config=vision, tie_word_embeddings=tie))
     elif kind == "qwen3_5_moe_text":
         model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**text, **moe_fields()))
+    elif kind == "qwen4_exp_text":
+        model = tf.Qwen4ExpForCausalLM(tf.Qwen4ExpTextConfig(**{**text, **flash_fields()}))
+    elif kind == "qwen4_exp":
+        vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"])
+        model = tf.Qwen4ExpForConditionalGeneration(
+            tf.Qwen4ExpConfig(text_config={**text, **flash_fields()}, vision_config=vision, tie_word_embeddings=tie))
     elif kind == "qwen3_next":
         model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**text, **moe_fields(), decoder_sparse_step=1,
                                                             mlp_only_layers=[1], norm_topk_prob=True))

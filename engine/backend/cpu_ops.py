@@ -323,7 +323,7 @@ class CpuOps:
     def forward(self, model, state: SequenceState, ids: np.ndarray, last_only: bool) -> np.ndarray:
         """model.run_layers over the embedded ids at the state's position; advances the state."""
         with one_blas_thread() if len(ids) > MAX_ROWS else nullcontext():  # prefill splits work itself
-            hidden = model.run_layers(model.embed[ids], state.layers, state.length, last_only)
+            hidden = model.run_layers(model.embed[ids], state.layers, state.length, last_only, ids)
         state.advance(len(ids))
         return hidden
 
@@ -432,8 +432,9 @@ class CpuOps:
         mixed = self.causal_conv(projected[:, :channels], layer.conv, state)
         z = projected[:, channels : channels + hv * dv].reshape(T, hv, dv)
         b, a = projected[:, -2 * hv : -hv], projected[:, -hv:]  # [T, Hv]
-        if T <= MAX_ROWS and self.compiled_steps:
+        if T <= MAX_ROWS and self.compiled_steps and c.output_gate == "silu":  # the kernel fuses SiLU's gate
             return self._deltanet_rows_compiled(layer, mixed, z, b, a, state, per_key)
+        gate = silu if c.output_gate == "silu" else sigmoid
         out = np.empty((T, hv, dv), np.float32)
         S = np.empty_like(state.recurrent) if T > MAX_ROWS else None  # after a prefill, filled head by head
 
@@ -451,7 +452,7 @@ class CpuOps:
                 o = delta_rule_rows(q, k, v, beta, log_decay, state)
             else:
                 o, S[vlo:vhi] = delta_rule_chunked(q, k, v, beta, log_decay, state.recurrent[vlo:vhi])
-            out[:, vlo:vhi] = rms_norm(o, layer.norm, c.rms_norm_eps) * silu(z[:, vlo:vhi])
+            out[:, vlo:vhi] = rms_norm(o, layer.norm, c.rms_norm_eps) * gate(z[:, vlo:vhi])
 
         # The chunked rule's hundreds of small products run on one BLAS thread per part of the heads:
         # two BLAS threads only wait on each other there (2.5 s against 0.02 s single-threaded for

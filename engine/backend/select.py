@@ -42,6 +42,8 @@ def backend_name(requested: str = "auto") -> str:
 
 def gpu_geometry_problem(config) -> str | None:
     """Why our GPU kernels cannot run a model of this geometry (one line), or None when they can."""
+    if config.flash is not None:
+        return "Flash-Next (qwen4_exp): its hyper-connections, n-gram tables and QSA run on the CPU for now"
     if config.head_dim not in (64, 128, 256):
         return f"attention head_dim {config.head_dim} (the kernels take 64, 128 or 256)"
     if config.linear_key_head_dim not in (32, 64, 128) or config.linear_value_head_dim % 32:

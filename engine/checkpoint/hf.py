@@ -4,7 +4,8 @@ Names are `model.language_model.*` in multimodal checkpoints (the vision tower `
 never read), `model.*` in text-only ones, plus `lm_head.weight` and `mtp.*`. Every tensor the model
 needs is located and shape-checked from the headers before a byte of weight data is read. The
 result is engine/weights.ModelWeights, by model key; Qwen3-Next's fused DeltaNet projections come
-out split as Qwen3.5 stores them, so the assembler sees one layout.
+out split as Qwen3.5 stores them, so the assembler sees one layout. Flash-Next's n-gram tables stay
+in their files (engine/weights.ShardedRows) and their int64 hash constants are read exactly.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
 from duet.engine.config import FULL_ATTENTION, ModelConfig
 from duet.engine.errors import CheckpointError
 from duet.engine.quant.w4 import GROUP
-from duet.engine.weights import HEAD_KEY, BF16Matrix, ModelWeights, take_rows
+from duet.engine.weights import HEAD_KEY, BF16Matrix, ModelWeights, ShardedRows, take_rows
 
 Progress = Callable[[int, int], None]  # (bytes read so far, bytes to read)
 
@@ -53,6 +54,8 @@ class TensorPlan:
         names = ckpt.names()
         self.prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
         self.expected: dict[str, tuple[int, ...]] = {}  # checkpoint name -> shape
+        self.integers: dict[str, tuple[int, ...]] = {}  # integer tensors (Flash-Next's hash constants) -> shape
+        self.tables: dict[str, list[str]] = {}  # model key of a sharded row table -> its shards' names
         self.fused_experts = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
         self.has_mtp = config.mtp_num_hidden_layers > 0 and ("mtp.fc.weight" in ckpt or "mtp.fc.weight" in self.quantized)
         self._plan_model()
@@ -81,11 +84,16 @@ class TensorPlan:
         c = self.config
         V, H = c.vocab_size, c.hidden_size
         self.need("embed_tokens.weight", V, H)
-        self.need("norm.weight", H)
+        if c.flash is None:
+            self.need("norm.weight", H)
+        else:  # the streams are mixed into one by a last hyper-connection in place of the final norm
+            self._plan_hyper_connection("hyper_connection_mixer.", inject=False)
         if not c.tie_word_embeddings:
             self.need("lm_head.weight", V, H)
         for i, kind in enumerate(c.layer_types):
             self._plan_layer(f"layers.{i}.", kind, c.moe_layers[i])
+            if c.flash is not None and i in c.flash.ple_layers:
+                self._plan_ple(f"layers.{i}.ple.")
         if self.has_mtp:
             for key in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
                 self.need(key, H)
@@ -95,8 +103,12 @@ class TensorPlan:
     def _plan_layer(self, p: str, kind: str, moe: bool) -> None:
         c = self.config
         H = c.hidden_size
-        self.need(p + "input_layernorm.weight", H)
-        self.need(p + "post_attention_layernorm.weight", H)
+        if c.flash is None:
+            self.need(p + "input_layernorm.weight", H)
+            self.need(p + "post_attention_layernorm.weight", H)
+        else:
+            self._plan_hyper_connection(p + "attn_hyper_connection.")
+            self._plan_hyper_connection(p + "mlp_hyper_connection.")
         if kind == FULL_ATTENTION:
             heads, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
             a = p + "self_attn."
@@ -106,6 +118,11 @@ class TensorPlan:
             self.need(a + "o_proj.weight", H, heads * hd)
             self.need(a + "q_norm.weight", hd)
             self.need(a + "k_norm.weight", hd)
+            if c.flash is not None:
+                f = c.flash
+                self.need(a + "indexer.index_qk_proj.weight", (f.indexer_heads + 1) * f.indexer_head_dim, H)
+                self.need(a + "indexer.q_layernorm.weight", f.indexer_head_dim)
+                self.need(a + "indexer.k_layernorm.weight", f.indexer_head_dim)
         else:
             hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
             channels = 2 * hk * dk + hv * dv
@@ -147,7 +164,56 @@ class TensorPlan:
         self._plan_mlp(p + "shared_expert.", c.shared_expert_intermediate_size)
         self.need(p + "shared_expert_gate.weight", 1, H)
 
+    def _plan_hyper_connection(self, p: str, inject: bool = True) -> None:
+        c = self.config
+        streams, wide = c.flash.hc_count, c.flash.hc_count * c.hidden_size
+        self.need(p + "hc_norm.weight", wide)
+        self.need(p + "input_mix_weight_down.weight", c.flash.hc_lowrank, wide)
+        self.need(p + "input_mix_weight_up.weight", wide, c.flash.hc_lowrank)
+        if inject:
+            self.need(p + "block_inject_weight.weight", streams, wide)
+
+    def _plan_ple(self, p: str) -> None:
+        c, f = self.config, self.config.flash
+        H, wide = c.hidden_size, f.hc_count * c.hidden_size
+        self.need(p + "key_proj.weight", wide, f.ple_embed_dim)
+        self.need(p + "value_proj.weight", H, f.ple_embed_dim)
+        for norm in ("norm_key", "norm_query", "norm_conv"):
+            self.need(f"{p}{norm}.weight", wide)
+        self.need(p + "conv1d.weight", wide, 1, f.ple_conv_kernel)
+        e = p + "ple_embedding."
+        self.integers[self.name(e + "layer_multipliers")] = (f.ngram_size,)
+        self.integers[self.name(e + "ngram_heads_vocab_sizes")] = (f.ngram_heads,)
+        self.integers[self.name(e + "ngram_heads_offsets")] = (f.ngram_heads,)
+        table = e + "ngram_embedding.weight"
+        whole = self.name(table)
+        shards = [self.name(f"{e}ngram_embedding.shard_{j}.weight") for j in range(f.split_ngram_parts)]
+        self.tables[table] = [whole] if whole in self.ckpt else shards
+
+    def _check_tables(self) -> None:
+        """The n-gram tables: every shard present, float, with the head width; hash constants integer."""
+        f = self.config.flash
+        width = f.ple_embed_dim // f.ngram_heads if f and f.ple_layers else 0
+        for names in self.tables.values():
+            for name in names:
+                if name not in self.ckpt:
+                    raise CheckpointError(self.ckpt.model_dir, f"tensor {name} is missing; the n-gram table is stored in "
+                                          f"{len(names)} shards (split_ngram_parts) and the checkpoint is incomplete")
+                info = self.ckpt.info(name)
+                if len(info.shape) != 2 or info.shape[1] != width or info.shape[0] < 1 or \
+                        info.dtype != self.ckpt.info(names[0]).dtype or info.dtype not in ("F32", "F16", "BF16"):
+                    raise CheckpointError(self.ckpt.file_of(name), f"tensor {name} is {info.dtype} {list(info.shape)}; an n-gram "
+                                          f"table shard is float [rows, {width}], all of one type; the files do not belong together")
+        for name, shape in self.integers.items():
+            if name not in self.ckpt:
+                raise CheckpointError(self.ckpt.model_dir, f"tensor {name} is missing; the checkpoint is incomplete")
+            info = self.ckpt.info(name)
+            if info.shape != shape or info.dtype != "I64":
+                raise CheckpointError(self.ckpt.file_of(name), f"tensor {name} is {info.dtype} {list(info.shape)}, "
+                                      f"expected I64 {list(shape)}; the files do not belong together")
+
     def _check_headers(self) -> None:
+        self._check_tables()
         where = self.ckpt.model_dir
         for name, shape in self.expected.items():
             if name in self.quantized:
@@ -185,7 +251,26 @@ class TensorPlan:
             done += self.nbytes(name)
             if progress:
                 progress(done, total)
+        for name in self.integers:
+            out[name.removeprefix(self.prefix)] = self.ckpt.read_ints(name)
+        for key, names in self.tables.items():
+            out[key] = ShardedRows(tuple(self.ckpt.mapped(n) for n in names), bf16=self.ckpt.info(names[0]).dtype == "BF16")
+            check_ngram_constants(self.ckpt.file_of(names[0]), key, out)
         return out
+
+
+def check_ngram_constants(source, table_key: str, tensors: dict) -> None:
+    """A PLE layer's hash constants against its table: every head's rows inside it, multipliers odd and
+    positive (they are, as splitmix64 derives them), so a lookup can never read outside the table."""
+    p = table_key.removesuffix("ngram_embedding.weight")
+    sizes, offsets = tensors[p + "ngram_heads_vocab_sizes"], tensors[p + "ngram_heads_offsets"]
+    multipliers, rows = tensors[p + "layer_multipliers"], tensors[table_key].shape[0]
+    if (sizes < 1).any() or (offsets < 0).any() or (offsets + sizes > rows).any():
+        raise CheckpointError(source, f"{p}: the n-gram heads' vocabularies run outside the table's {rows} rows; "
+                                      "the file is corrupt, re-download the model")
+    if (multipliers <= 0).any() or not (multipliers & 1).all():
+        raise CheckpointError(source, f"{p}layer_multipliers are not odd positive integers; the file is corrupt, "
+                                      "re-download the model")
 
 
 def split_qwen3_next_projections(c: ModelConfig, tensors: dict) -> None:

@@ -106,6 +106,19 @@ class SafetensorsFile:
             return bf16_to_f32(stored)
         return stored.astype(np.float32)
 
+    def read_ints(self, name: str) -> np.ndarray:
+        """An integer tensor, exactly, as a new int64 array."""
+        info = self.tensors[name]
+        if info.dtype not in ("I64", "I32", "I16", "I8", "U8", "U16", "U32"):
+            raise CheckpointError(self.path, f"tensor {name} is {info.dtype}, expected an integer type")
+        return self.raw(name).astype(np.int64)
+
+    def mapped(self, name: str) -> np.ndarray:
+        """The stored array on a mapping of its own, which outlives close(): a table a model gathers
+        rows from while it runs (bf16 as uint16 bits). Nothing is read until a row is used."""
+        info = self.tensors[name]
+        return np.memmap(self.path, DTYPES[info.dtype], "r", offset=info.begin, shape=info.shape)
+
     def read_bits(self, name: str) -> np.ndarray:
         """A bf16 tensor's 16-bit patterns as a new uint16 array (the mapping is not kept alive by it)."""
         if self.tensors[name].dtype != "BF16":
@@ -220,6 +233,12 @@ class SafetensorsCheckpoint:
 
     def read_bits(self, name: str) -> np.ndarray:
         return self._where[name].read_bits(name)
+
+    def read_ints(self, name: str) -> np.ndarray:
+        return self._where[name].read_ints(name)
+
+    def mapped(self, name: str) -> np.ndarray:
+        return self._where[name].mapped(name)
 
     def close(self) -> None:
         for file in self.files:

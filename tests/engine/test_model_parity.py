@@ -24,6 +24,8 @@ CASES = [
     ("qwen3_5_moe_text", True, True),  # per-expert tensors, tied
     ("qwen3_5_moe", False, True),  # multimodal MoE
     ("qwen3_next", False, True),  # fused in_proj_qkvz / in_proj_ba, per-expert, a dense layer
+    ("qwen4_exp_text", False, True),  # Flash-Next: hyper-connections, PLE n-grams, QSA; saved per expert
+    ("qwen4_exp", True, True),  # multimodal Flash-Next, tied
 ]
 
 
@@ -50,6 +52,7 @@ def test_prefill_and_decode_logits_match_transformers(tmp_path, kind, tie, per_e
         split_fused_experts(tmp_path)
     model = load_ours(tmp_path)
     ids = np.random.default_rng(1).integers(0, ref.config.get_text_config().vocab_size, PROMPT_LEN + DECODE_STEPS)
+    ids[[40, 41, 90, PROMPT_LEN + 3]] = 2  # <|im_end|>: Flash-Next's n-gram history stops at it
     expected = reference_logits(ref, ids)
 
     state = model.new_state()
@@ -60,8 +63,9 @@ def test_prefill_and_decode_logits_match_transformers(tmp_path, kind, tie, per_e
         assert_close(step, expected[i])
 
 
-@pytest.mark.parametrize("kind,layers", [("qwen3_5_text", 5), ("qwen3_5_text", 4), ("qwen3_5_moe_text", 4)],
-                         ids=["deltanet-last", "attention-last", "moe-attention-last"])
+@pytest.mark.parametrize("kind,layers", [("qwen3_5_text", 5), ("qwen3_5_text", 4), ("qwen3_5_moe_text", 4),
+                                         ("qwen4_exp_text", 4), ("qwen4_exp_text", 5)],
+                         ids=["deltanet-last", "attention-last", "moe-attention-last", "flash-qsa-last", "flash-deltanet-last"])
 @pytest.mark.parametrize("prompt_len", [9, PROMPT_LEN], ids=["rows", "chunked"])
 def test_a_prefill_of_the_last_row_only_matches_and_leaves_the_same_caches(tmp_path, kind, layers, prompt_len):
     ref = build_reference(kind, seed=5, num_hidden_layers=layers)
@@ -83,9 +87,11 @@ def test_a_prefill_of_the_last_row_only_matches_and_leaves_the_same_caches(tmp_p
         assert_close(step[0], expected[i])
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_next"])
-def test_64_greedy_tokens_identical(tmp_path, kind):
-    ref = build_reference(kind, seed=5)
+@pytest.mark.parametrize("kind,seed", [("qwen3_5_text", 5), ("qwen3_next", 5), ("qwen4_exp_text", 6)])
+def test_64_greedy_tokens_identical(tmp_path, kind, seed):
+    """Greedy generate with the default drafts (n-gram: these have no MTP head), so every verify's
+    rollback of DeltaNet, conv, KV (and Flash-Next's PLE and indexer) state is in the comparison."""
+    ref = build_reference(kind, seed=seed)
     save_reference(ref, tmp_path)
     lm = load_model(tmp_path)
     prompt = [int(t) for t in np.random.default_rng(2).integers(0, 300, 40)]

@@ -1,0 +1,259 @@
+"""Flash-Next (`qwen4_exp`): the hybrid model with hyper-connections, hashed n-gram embeddings and
+QSA indexed attention. Math: REFERENCE.md section 7; transformers' `modular_qwen4_exp.py` is the oracle.
+
+What it adds to engine/model.py's layers, which it reuses (DeltaNet, MoE, the gated attention's
+projections and norms):
+- The residual is `hc` streams, [T, hc * H]. Before each token mixer and each MoE a hyper-connection
+  norms every stream, mixes them into the block's input and weighs the block's output back into each
+  stream; a last one, with no injection, mixes the streams for the head in place of the final norm.
+- PLE (some DeltaNet layers): each token's 2..n-grams hashed into rows of a huge table (a host table,
+  read a few rows a token), gated per stream, then a dilated depthwise conv, added to every stream.
+- QSA: the full-attention layers read, per query, the top blocks of tokens an indexer scores (block
+  keys pooled over `ratio` tokens) plus the incomplete tail: about `indexer_budget` rows, not all.
+Every row of a short call (decode, verify) is computed as its own decode step would, so a verify pass
+rolls back exactly (engine/cache.py: IndexedKVCache, PLEState).
+Runs on the CPU op set; the GPU backend does not take this model type yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from duet.engine.backend import MAX_ROWS
+from duet.engine.backend.cpu_ops import CPU, apply_rope, rope_tables, sigmoid, silu, softmax
+from duet.engine.cache import IndexedKVCache, PLEState, WithPLE
+from duet.engine.choices import KVCache
+from duet.engine.config import ModelConfig
+from duet.engine.model import Attention, DeltaNet, Model, MoE
+from duet.engine.weights import ShardedRows
+
+
+@dataclass
+class HyperConnection:
+    """Streams [T, hc * H] -> the block's input [T, H] and each stream's injection weight [T, hc]."""
+
+    norm: np.ndarray  # 1 + w, [hc * H]: an RMSNorm over each stream's H values
+    down: object  # Linear [lowrank, hc * H]
+    up: object  # Linear [hc * H, lowrank]
+    inject: object | None  # Linear [hc, hc * H]; None in the head's mixer
+    hc: int
+    eps: float
+    ops: object = CPU
+
+    def normed(self, streams: np.ndarray) -> np.ndarray:
+        T = streams.shape[0]
+        return self.ops.rms_norm(streams.reshape(T, self.hc, -1), self.norm.reshape(self.hc, -1), self.eps).reshape(T, -1)
+
+    def __call__(self, streams: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        T = streams.shape[0]
+        normed = self.normed(streams)  # [T, hc * H]
+        weight = sigmoid(self.up(silu(self.down(normed) / self.hc)))  # [T, hc * H]
+        mixed = (weight * normed).reshape(T, self.hc, -1).mean(axis=1)  # [T, H]
+        if self.inject is None:
+            return mixed, None
+        return mixed, 2 * sigmoid(self.inject(normed) / self.hc)
+
+
+def injected(streams: np.ndarray, out: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """Each stream plus the block's output [T, H] times its weight [T, hc]."""
+    T, hc = weight.shape
+    return streams + (weight[:, :, None] * out[:, None, :]).reshape(T, -1)
+
+
+@dataclass
+class NGramHash:
+    """One PLE layer's hashed n-gram rows. For n = 2..N, head j of that order looks up row
+    offset_j + (XOR over i < n of c_i * multiplier_i) mod size_j, where c_0 is the token and c_i the
+    one i back, or EOS when that is before the sequence or across an EOS (sizes are primes)."""
+
+    table: ShardedRows  # [rows, D]
+    multipliers: np.ndarray  # int64 [N]
+    sizes: np.ndarray  # int64 [heads], heads = (N - 1) * heads_per_ngram
+    offsets: np.ndarray  # int64 [heads]
+    heads_per_ngram: int
+    eos: int
+
+    def rows(self, history: np.ndarray, T: int) -> np.ndarray:
+        """Row ids [T, heads] for the last T tokens of history (N - 1 earlier tokens, then the T)."""
+        N = len(self.multipliers)
+        context = history.shape[0] - T  # N - 1
+        tokens = history[context:]
+        mixed = tokens * self.multipliers[0]  # int64; a product past 2^63 wraps, as in torch
+        whole = np.ones(T, bool)  # no EOS yet between the token and the one i back
+        per_order = []
+        for i in range(1, N):
+            back = history[context - i : context - i + T]
+            c = np.where(whole, back, self.eos)
+            whole &= back != self.eos
+            mixed = mixed ^ (c * self.multipliers[i])
+            heads = slice((i - 1) * self.heads_per_ngram, i * self.heads_per_ngram)  # the (i + 1)-grams
+            per_order.append(np.remainder(mixed[:, None], self.sizes[heads]) + self.offsets[heads])
+        return np.concatenate(per_order, axis=1)
+
+    def __call__(self, history: np.ndarray, T: int) -> np.ndarray:
+        """The concatenated heads' rows [T, heads * D]."""
+        return self.table[self.rows(history, T)].reshape(T, -1)
+
+
+@dataclass
+class PLE:
+    """Per-layer n-gram embedding: key per stream and one value from the n-gram rows; a sign-sqrt gate
+    of key against the normed stream weighs the value into each stream; plus a dilated causal conv
+    (dilation N) of the normed gated values, through SiLU."""
+
+    ngrams: NGramHash
+    key_proj: object  # Linear [hc * H, P]
+    value_proj: object  # Linear [H, P]
+    norm_key: np.ndarray  # 1 + w, [hc * H] (per stream)
+    norm_query: np.ndarray
+    norm_conv: np.ndarray
+    conv: np.ndarray  # depthwise taps [hc * H, K], oldest first
+    dilation: int
+    hc: int
+    eps: float
+    ops: object = CPU
+
+    def new_state(self) -> PLEState:
+        context = len(self.ngrams.multipliers) - 1
+        return PLEState(context, self.ngrams.eos, (self.conv.shape[1] - 1) * self.dilation, self.conv.shape[0])
+
+    def _norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:  # [T, hc * H] per stream
+        T = x.shape[0]
+        return self.ops.rms_norm(x.reshape(T, self.hc, -1), weight.reshape(self.hc, -1), self.eps)
+
+    def __call__(self, streams: np.ndarray, ids: np.ndarray, state: PLEState) -> np.ndarray:
+        T, H = streams.shape[0], streams.shape[1] // self.hc
+        history = np.concatenate([state.tokens, ids])
+        embedded = self.ngrams(history, T)  # [T, P]
+        key = self._norm(self.key_proj(embedded), self.norm_key)  # [T, hc, H]
+        value = self.value_proj(embedded)  # [T, H]
+        gate = (key * self._norm(streams, self.norm_query)).sum(axis=-1) / np.float32(np.sqrt(H))  # [T, hc]
+        gate = np.sqrt(np.maximum(np.abs(gate), 1e-6)) * np.sign(gate)
+        gated = (sigmoid(gate)[:, :, None] * value[:, None, :]).reshape(T, -1)  # [T, hc * H]
+        window = np.concatenate([state.conv, self._norm(gated, self.norm_conv).reshape(T, -1)])
+        K, d = self.conv.shape[1], self.dilation
+        conv = sum(window[k * d : k * d + T] * self.conv[:, k] for k in range(K))  # tap k reads x[t - (K-1-k) d]
+        short = T <= MAX_ROWS  # a decode or verify call keeps its windows for a rollback
+        state.token_window, state.conv_window = (history, window) if short else (None, None)
+        state.tokens, state.conv = history[T:].copy(), window[T:].copy()
+        return gated + silu(conv)
+
+
+@dataclass
+class Indexer:
+    """QSA's token selection: indexer queries (heads) against pooled block keys (one key head)."""
+
+    qk_proj: object  # Linear [(heads + 1) * d, H]: queries then the key
+    q_norm: np.ndarray  # 1 + w, [d]
+    k_norm: np.ndarray
+    heads: int
+    ratio: int  # tokens a block pools
+    top_blocks: int  # indexer_budget / ratio
+    config: ModelConfig
+    ops: object = CPU
+
+    def rotate(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The attention's partial RoPE on the first rotary_dim of each [.., heads, d] row."""
+        cos, sin = rope_tables(positions, self.config.rotary_dim, self.config.rope_theta)
+        return apply_rope(x, cos, sin)
+
+    def pool(self, first_block: int, raw_blocks: np.ndarray) -> np.ndarray:
+        """Block keys [n, d] of complete blocks [n, ratio, d]: mean, norm, RoPE at the block's first token."""
+        pooled = self.ops.rms_norm(raw_blocks.mean(axis=1), self.k_norm, self.config.rms_norm_eps)
+        starts = (first_block + np.arange(len(pooled))) * self.ratio
+        return self.rotate(pooled[:, None, :], starts)[:, 0]
+
+    def queries(self, x: np.ndarray, cache: IndexedKVCache, start: int, first: int) -> np.ndarray:
+        """Index every row's key into the cache (after its kv rows); the queries of rows [first, T)."""
+        T, d = x.shape[0], self.q_norm.shape[0]
+        qk = self.qk_proj(x)  # [T, (heads + 1) * d]
+        cache.append_index_keys(np.ascontiguousarray(qk[:, self.heads * d :]), self.pool)
+        q = self.ops.rms_norm(qk[first:, : self.heads * d].reshape(T - first, self.heads, d), self.q_norm,
+                              self.config.rms_norm_eps)
+        return self.rotate(q, np.arange(start + first, start + T))
+
+    def selected(self, q: np.ndarray, cache: IndexedKVCache, position: int) -> np.ndarray:
+        """Token positions the query at `position` reads: its top blocks, in order, and the tail."""
+        complete = (position + 1) // self.ratio
+        tail = np.arange(complete * self.ratio, position + 1)
+        if complete <= self.top_blocks:
+            return np.arange(position + 1)
+        scores = np.maximum(q @ cache.blocks[:complete].T, 0).sum(axis=0)  # [complete]: relu summed over heads
+        top = np.sort(np.argsort(-scores, kind="stable")[: self.top_blocks])  # ties: the earlier block
+        return np.concatenate([(top[:, None] * self.ratio + np.arange(self.ratio)).ravel(), tail])
+
+
+@dataclass
+class IndexedAttention:
+    """Gated attention (engine/model.Attention's projections and norms) over the tokens QSA selects."""
+
+    attention: Attention
+    indexer: Indexer
+
+    def new_cache(self, kv: str = KVCache.BF16) -> IndexedKVCache:
+        return IndexedKVCache(self.attention.new_cache(kv), self.indexer.q_norm.shape[0], self.indexer.ratio)
+
+    def __call__(self, x, cache: IndexedKVCache, pos, last_only: bool = False):
+        a, c = self.attention, self.attention.config
+        T, first = x.shape[0], x.shape[0] - 1 if last_only else 0
+        heads, kv_heads, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q_and_gate = a.q_proj(x[first:]).reshape(T - first, heads, 2 * hd)
+        q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(T - first, heads * hd)
+        q = a.ops.rms_norm(q, a.q_norm, c.rms_norm_eps)
+        k = a.ops.rms_norm(a.k_proj(x).reshape(T, kv_heads, hd), a.k_norm, c.rms_norm_eps)
+        cos, sin = rope_tables(np.arange(pos, pos + T), c.rotary_dim, c.rope_theta)
+        q, k = apply_rope(q, cos[first:], sin[first:]), apply_rope(k, cos, sin)
+        cache.kv.append(k.transpose(1, 0, 2), a.v_proj(x).reshape(T, kv_heads, hd).transpose(1, 0, 2))
+        index_q = self.indexer.queries(x, cache, pos, first)  # [T - first, index heads, d]
+        group, out = heads // kv_heads, np.empty((T - first, heads, hd), np.float32)
+        for i, position in enumerate(range(pos + first, pos + T)):
+            tokens = self.indexer.selected(index_q[i], cache, position)
+            keys, values = cache.kv.rows(position + 1)
+            keys, values = keys[:, tokens], values[:, tokens]  # [kv, n, hd]
+            for h in range(kv_heads):
+                rows = q[i, h * group : (h + 1) * group]  # the query heads reading KV head h
+                probs = softmax((rows @ keys[h].T) * hd**-0.5, axis=-1)
+                out[i, h * group : (h + 1) * group] = probs @ values[h]
+        return a.o_proj(out.reshape(T - first, heads * hd) * sigmoid(gate))
+
+
+@dataclass
+class FlashLayer:
+    mixer: IndexedAttention | DeltaNet
+    ffn: MoE
+    mixer_hc: HyperConnection
+    ffn_hc: HyperConnection
+    ple: PLE | None = None
+
+    def new_cache(self, kv: str = KVCache.BF16):
+        cache = self.mixer.new_cache(kv)
+        return cache if self.ple is None else WithPLE(cache, self.ple.new_state())
+
+    def __call__(self, streams, cache, pos, ids: np.ndarray, last_only: bool = False):
+        if self.ple is not None:
+            streams = streams + self.ple(streams, ids, cache.ple)
+            cache = cache.mixer
+        mixed, weight = self.mixer_hc(streams)
+        out = self.mixer(mixed, cache, pos, last_only)
+        if last_only:
+            streams, weight = streams[-1:], weight[-1:]
+        streams = injected(streams, out, weight)
+        mixed, weight = self.ffn_hc(streams)
+        return injected(streams, self.ffn(mixed), weight)
+
+
+class FlashNextModel(Model):
+    """engine/model.Model with Flash-Next's layers: the streams start as hc copies of the embedding and
+    the head mixer (`norm` here: a HyperConnection without injection) ends them."""
+
+    def new_state(self, kv: str = KVCache.BF16):
+        return self.ops.new_state([layer.new_cache(kv) for layer in self.layers])
+
+    def run_layers(self, x, caches: list, pos, last_only: bool = False, ids: np.ndarray | None = None):
+        streams = np.tile(x, (1, self.config.flash.hc_count))  # [T, hc * H]
+        last = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            streams = layer(streams, cache, pos, ids, last_only and i == last)
+        return self.norm(streams)[0]
