@@ -11,7 +11,8 @@ import numpy as np
 
 from duet.engine.backend.cpu_ops import CPU
 from duet.engine.config import FULL_ATTENTION, ModelConfig
-from duet.engine.flash_next import PLE, FlashLayer, FlashNextModel, HyperConnection, IndexedAttention, Indexer, NGramHash
+from duet.engine.flash_next import (PLE, FlashLayer, FlashMTPHead, FlashNextModel, HyperConnection, IndexedAttention,
+                                     Indexer, NGramHash)
 from duet.engine.heads import RescoredHead, shortlist_ids
 from duet.engine.model import MLP, Attention, DecoderLayer, DeltaNet, Model, MoE, MTPHead
 from duet.engine.weights import HEAD_KEY, ModelWeights, row_runs, take_rows
@@ -153,20 +154,26 @@ def _moe(c: ModelConfig, get: Linears, p: str) -> MoE:
 
 
 def _flash_next(c: ModelConfig, get: Linears, host_tables: bool) -> FlashNextModel:
-    layers = []
-    for i, kind in enumerate(c.layer_types):
-        p = f"layers.{i}."
-        if kind == FULL_ATTENTION:
-            mixer = IndexedAttention(_attention(c, get, p + "self_attn."), _indexer(c, get, p + "self_attn.indexer."))
-        else:
-            mixer = _deltanet(c, get, p + "linear_attn.")
-        ple = _ple(c, get, p + "ple.") if i in c.flash.ple_layers else None
-        layers.append(FlashLayer(mixer, _moe(c, get, p + "mlp."), _hyper_connection(c, get, p + "attn_hyper_connection."),
-                                 _hyper_connection(c, get, p + "mlp_hyper_connection."), ple))
+    layers = [_flash_layer(c, get, f"layers.{i}.", kind, i in c.flash.ple_layers) for i, kind in enumerate(c.layer_types)]
     lm_head, draft_head = _heads(c, get, host_tables)
     embed = get.ops.embedding(get("embed_tokens.weight"), lm_head if c.tie_word_embeddings else None)
     mixer = _hyper_connection(c, get, "hyper_connection_mixer.", inject=False)
-    return FlashNextModel(c, embed, layers, mixer, lm_head, None, draft_head, get.ops)
+    mtp = None
+    if get.weights.has_mtp:
+        layer = _flash_layer(c, get, "mtp.layers.0.", FULL_ATTENTION, ple=False)
+        mtp = FlashMTPHead(get.linear("mtp.fc_embedding.weight"), get.linear("mtp.fc_hidden.weight"),
+                           get.norm("mtp.pre_fc_norm_embedding.weight"), get.norm("mtp.pre_fc_norm_hidden.weight"), layer,
+                           _hyper_connection(c, get, "mtp.hyper_connection_mixer.", inject=False))
+    return FlashNextModel(c, embed, layers, mixer, lm_head, mtp, draft_head, get.ops)
+
+
+def _flash_layer(c: ModelConfig, get: Linears, p: str, kind: str, ple: bool) -> FlashLayer:
+    if kind == FULL_ATTENTION:
+        mixer = IndexedAttention(_attention(c, get, p + "self_attn."), _indexer(c, get, p + "self_attn.indexer."))
+    else:
+        mixer = _deltanet(c, get, p + "linear_attn.")
+    return FlashLayer(mixer, _moe(c, get, p + "mlp."), _hyper_connection(c, get, p + "attn_hyper_connection."),
+                      _hyper_connection(c, get, p + "mlp_hyper_connection."), _ple(c, get, p + "ple.") if ple else None)
 
 
 def _hyper_connection(c: ModelConfig, get: Linears, p: str, inject: bool = True) -> HyperConnection:

@@ -159,27 +159,30 @@ class Indexer:
         cos, sin = rope_tables(positions, self.config.rotary_dim, self.config.rope_theta)
         return apply_rope(x, cos, sin)
 
-    def pool(self, first_block: int, raw_blocks: np.ndarray) -> np.ndarray:
-        """Block keys [n, d] of complete blocks [n, ratio, d]: mean, norm, RoPE at the block's first token."""
+    def pool(self, first_block: int, raw_blocks: np.ndarray, offset: int) -> np.ndarray:
+        """Block keys [n, d] of complete blocks [n, ratio, d]: mean, norm, RoPE at the position of the
+        block's first token (its cache row + offset)."""
         pooled = self.ops.rms_norm(raw_blocks.mean(axis=1), self.k_norm, self.config.rms_norm_eps)
-        starts = (first_block + np.arange(len(pooled))) * self.ratio
+        starts = (first_block + np.arange(len(pooled))) * self.ratio + offset
         return self.rotate(pooled[:, None, :], starts)[:, 0]
 
-    def queries(self, x: np.ndarray, cache: IndexedKVCache, start: int, first: int) -> np.ndarray:
-        """Index every row's key into the cache (after its kv rows); the queries of rows [first, T)."""
+    def queries(self, x: np.ndarray, cache: IndexedKVCache, start: int, first: int, offset: int) -> np.ndarray:
+        """Index every row's key into the cache (after its kv rows); the queries of rows [first, T),
+        the call's first row at position `start`."""
         T, d = x.shape[0], self.q_norm.shape[0]
         qk = self.qk_proj(x)  # [T, (heads + 1) * d]
-        cache.append_index_keys(np.ascontiguousarray(qk[:, self.heads * d :]), self.pool)
+        cache.append_index_keys(np.ascontiguousarray(qk[:, self.heads * d :]),
+                                lambda first_block, raw_blocks: self.pool(first_block, raw_blocks, offset))
         q = self.ops.rms_norm(qk[first:, : self.heads * d].reshape(T - first, self.heads, d), self.q_norm,
                               self.config.rms_norm_eps)
         return self.rotate(q, np.arange(start + first, start + T))
 
-    def selected(self, q: np.ndarray, cache: IndexedKVCache, position: int) -> np.ndarray:
-        """Token positions the query at `position` reads: its top blocks, in order, and the tail."""
-        complete = (position + 1) // self.ratio
-        tail = np.arange(complete * self.ratio, position + 1)
+    def selected(self, q: np.ndarray, cache: IndexedKVCache, row: int) -> np.ndarray:
+        """Cache rows the query of cache row `row` reads: its top blocks, in order, and the tail."""
+        complete = (row + 1) // self.ratio
+        tail = np.arange(complete * self.ratio, row + 1)
         if complete <= self.top_blocks:
-            return np.arange(position + 1)
+            return np.arange(row + 1)
         scores = np.maximum(q @ cache.blocks[:complete].T, 0).sum(axis=0)  # [complete]: relu summed over heads
         top = np.sort(np.argsort(-scores, kind="stable")[: self.top_blocks])  # ties: the earlier block
         return np.concatenate([(top[:, None] * self.ratio + np.arange(self.ratio)).ravel(), tail])
@@ -205,12 +208,13 @@ class IndexedAttention:
         k = a.ops.rms_norm(a.k_proj(x).reshape(T, kv_heads, hd), a.k_norm, c.rms_norm_eps)
         cos, sin = rope_tables(np.arange(pos, pos + T), c.rotary_dim, c.rope_theta)
         q, k = apply_rope(q, cos[first:], sin[first:]), apply_rope(k, cos, sin)
+        past = cache.length  # blocks and selections count cache rows; the MTP layer's sit one position on
         cache.kv.append(k.transpose(1, 0, 2), a.v_proj(x).reshape(T, kv_heads, hd).transpose(1, 0, 2))
-        index_q = self.indexer.queries(x, cache, pos, first)  # [T - first, index heads, d]
+        index_q = self.indexer.queries(x, cache, pos, first, offset=pos - past)  # [T - first, index heads, d]
         group, out = heads // kv_heads, np.empty((T - first, heads, hd), np.float32)
-        for i, position in enumerate(range(pos + first, pos + T)):
-            tokens = self.indexer.selected(index_q[i], cache, position)
-            keys, values = cache.kv.rows(position + 1)
+        for i, row in enumerate(range(past + first, past + T)):
+            tokens = self.indexer.selected(index_q[i], cache, row)
+            keys, values = cache.kv.rows(row + 1)
             keys, values = keys[:, tokens], values[:, tokens]  # [kv, n, hd]
             for h in range(kv_heads):
                 rows = q[i, h * group : (h + 1) * group]  # the query heads reading KV head h
@@ -244,9 +248,24 @@ class FlashLayer:
         return injected(streams, self.ffn(mixed), weight)
 
 
+@dataclass
+class FlashMTPHead:
+    """Flash-Next's multi-token prediction: from the trunk's streams at t and x_{t+1}, streams whose
+    mixer and the shared head give logits for x_{t+2}. Each stream s enters the layer as
+    fc_embedding(norm_e(embed(x_{t+1}))) + fc_hidden(norm_h(h_t)_s) (llama.cpp: eh_proj per stream)."""
+
+    fc_embedding: object  # Linear [H, H]
+    fc_hidden: object  # Linear [H, H]
+    norm_embedding: np.ndarray  # 1 + w, [H]
+    norm_hidden: np.ndarray  # 1 + w, [hc * H] (per stream)
+    layer: FlashLayer  # a QSA layer with its own cache, no PLE
+    mixer: HyperConnection  # no injection: the streams to the head's input
+
+
 class FlashNextModel(Model):
-    """engine/model.Model with Flash-Next's layers: the streams start as hc copies of the embedding and
-    the head mixer (`norm` here: a HyperConnection without injection) ends them."""
+    """engine/model.Model with Flash-Next's layers. `forward` returns the streams [T, hc * H] (what the
+    MTP head reads); the head mixer (`norm` here: a HyperConnection without injection) turns them into
+    the lm_head's input in `logits`."""
 
     def new_state(self, kv: str = KVCache.BF16):
         return self.ops.new_state([layer.new_cache(kv) for layer in self.layers])
@@ -256,4 +275,23 @@ class FlashNextModel(Model):
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             streams = layer(streams, cache, pos, ids, last_only and i == last)
-        return self.norm(streams)[0]
+        return streams
+
+    def logits(self, hidden) -> np.ndarray:
+        return super().logits(self.norm(hidden)[0])
+
+    def draft_logits(self, hidden) -> np.ndarray:
+        return super().draft_logits(self.mtp.mixer(hidden)[0])
+
+    def mtp_forward(self, state, next_tokens, hidden):
+        """The MTP head over rows t (next_tokens[t] = x_{t+1}, hidden[t] = the trunk's streams at t);
+        returns its streams, which the next draft step reads as its h."""
+        head, eps, ops, hc = self.mtp, self.config.rms_norm_eps, self.ops, self.config.flash.hc_count
+        ids = np.asarray(next_tokens, dtype=np.int64)
+        T = len(ids)
+        e = head.fc_embedding(ops.rms_norm(self.embed[ids], head.norm_embedding, eps))  # [T, H]
+        h = ops.rms_norm(hidden.reshape(T, hc, -1), head.norm_hidden.reshape(hc, -1), eps).reshape(T * hc, -1)
+        streams = (head.fc_hidden(h).reshape(T, hc, -1) + e[:, None, :]).reshape(T, -1)
+        streams = head.layer(streams, state.layers[0], ops.mtp_position(state, T), ids)
+        state.advance(T)
+        return streams

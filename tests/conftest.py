@@ -91,11 +91,11 @@ def build_reference(kind: str, tie: bool = False, seed: int = 0, **overrides):
     elif kind == "qwen3_5_moe_text":
         model = tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(**text, **moe_fields()))
     elif kind == "qwen4_exp_text":
-        model = tf.Qwen4ExpForCausalLM(tf.Qwen4ExpTextConfig(**{**text, **flash_fields()}))
+        model = tf.Qwen4ExpForCausalLM(tf.Qwen4ExpTextConfig(**{**text, **flash_fields(), **overrides}))
     elif kind == "qwen4_exp":
         vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"])
         model = tf.Qwen4ExpForConditionalGeneration(
-            tf.Qwen4ExpConfig(text_config={**text, **flash_fields()}, vision_config=vision, tie_word_embeddings=tie))
+            tf.Qwen4ExpConfig(text_config={**text, **flash_fields(), **overrides}, vision_config=vision, tie_word_embeddings=tie))
     elif kind == "qwen3_next":
         model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(**text, **moe_fields(), decoder_sparse_step=1,
                                                             mlp_only_layers=[1], norm_topk_prob=True))
@@ -185,6 +185,45 @@ def add_random_mtp_head(model_dir: Path, ref, seed: int) -> dict:
     return parts
 
 
+def add_random_flash_mtp_head(model_dir: Path, ref, seed: int) -> dict:
+    """Write a random Flash-Next MTP head (llama.cpp's qwen4exp layout: mtp.fc_embedding, mtp.fc_hidden,
+    mtp.hyper_connection_mixer, one QSA layer) into a saved qwen4_exp checkpoint, built from
+    transformers' own Qwen4Exp classes. Returns the torch modules so a test can compute the reference."""
+    import torch
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as q4
+
+    text = ref.config.get_text_config()
+    H, hc = text.hidden_size, text.hc_count
+    mtp_config = tf.Qwen4ExpTextConfig(**{**text.to_dict(), "num_hidden_layers": 1, "layer_types": ["indexed_attention"],
+                                          "ple_layer_ids": []})
+    parts = {
+        "layer": q4.Qwen4ExpTextDecoderLayer(mtp_config, 0),
+        "norm_embedding": q4.Qwen4ExpTextRMSNorm(H),
+        "norm_hidden": q4.Qwen4ExpTextRMSNorm(hc * H, group_size=H),
+        "fc_embedding": torch.nn.Linear(H, H, bias=False),
+        "fc_hidden": torch.nn.Linear(H, H, bias=False),
+        "mixer": q4.Qwen4ExpTextGatedResidual(mtp_config, use_combine=False),
+    }
+    for module in parts.values():
+        randomize(module, seed)
+    parts["rotary"] = q4.Qwen4ExpTextRotaryEmbedding(mtp_config)
+    tensors = load_file(model_dir / "model.safetensors")
+    for name in ("norm_embedding", "norm_hidden"):
+        tensors[f"mtp.pre_fc_{name}.weight"] = parts[name].weight
+    for name in ("fc_embedding", "fc_hidden"):
+        tensors[f"mtp.{name}.weight"] = parts[name].weight
+    tensors.update({f"mtp.hyper_connection_mixer.{k}": v for k, v in parts["mixer"].state_dict().items()})
+    tensors.update({f"mtp.layers.0.{k}": v for k, v in parts["layer"].state_dict().items()})
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, model_dir / "model.safetensors",
+              metadata={"format": "pt"})
+    split_fused_experts(model_dir)  # the layer's state_dict has them fused; the trunk was saved per expert
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    return parts
+
+
 def interruptible() -> None:
     """Popen preexec_fn: Ctrl-C on, in the child. A runner started in the background (`cmd &` in a
     script) ignores SIGINT, its children inherit that, and Python then never installs its handler."""
@@ -222,6 +261,24 @@ def endless_model(tiny_model, tmp_path_factory):
     del tokenizer_config["eos_token"]
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return folder
+
+
+@pytest.fixture
+def stable_topk(monkeypatch):
+    """torch's top-k with ties broken toward the lower index, as duet breaks them. Which of equal
+    scores torch.topk returns is an accident of its selection algorithm (over 35,895 random tied cases,
+    lower index first matched its pick in 3,794, higher first in 3,133), and QSA's relu-summed block
+    scores tie at 0 often
+    (a block every indexer head scores below 0): the block chosen at a tie is the model's undefined
+    choice, not a numerical difference, so a parity test fixes it on both sides."""
+    import torch
+
+    def topk(input, k, dim=-1, largest=True, sorted=True):
+        values, indices = torch.sort(input, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+    monkeypatch.setattr(torch, "topk", topk)
+    monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, dim=-1, largest=True, sorted=True: topk(self, k, dim, largest))
 
 
 @pytest.fixture

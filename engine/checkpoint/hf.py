@@ -57,7 +57,8 @@ class TensorPlan:
         self.integers: dict[str, tuple[int, ...]] = {}  # integer tensors (Flash-Next's hash constants) -> shape
         self.tables: dict[str, list[str]] = {}  # model key of a sharded row table -> its shards' names
         self.fused_experts = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
-        self.has_mtp = config.mtp_num_hidden_layers > 0 and ("mtp.fc.weight" in ckpt or "mtp.fc.weight" in self.quantized)
+        fc = "mtp.fc.weight" if config.flash is None else "mtp.fc_embedding.weight"  # Flash-Next splits fc in two
+        self.has_mtp = config.mtp_num_hidden_layers > 0 and (fc in ckpt or fc in self.quantized)
         self._plan_model()
         self._check_headers()
 
@@ -94,11 +95,18 @@ class TensorPlan:
             self._plan_layer(f"layers.{i}.", kind, c.moe_layers[i])
             if c.flash is not None and i in c.flash.ple_layers:
                 self._plan_ple(f"layers.{i}.ple.")
-        if self.has_mtp:
+        if self.has_mtp and c.flash is None:
             for key in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
                 self.need(key, H)
             self.need("mtp.fc.weight", H, 2 * H)
             self._plan_layer("mtp.layers.0.", FULL_ATTENTION, c.is_moe)
+        elif self.has_mtp:  # Flash-Next: fed the trunk's streams, ends in a mixer of its own
+            self.need("mtp.pre_fc_norm_embedding.weight", H)
+            self.need("mtp.pre_fc_norm_hidden.weight", c.flash.hc_count * H)
+            self.need("mtp.fc_embedding.weight", H, H)
+            self.need("mtp.fc_hidden.weight", H, H)
+            self._plan_hyper_connection("mtp.hyper_connection_mixer.", inject=False)
+            self._plan_layer("mtp.layers.0.", FULL_ATTENTION, True)
 
     def _plan_layer(self, p: str, kind: str, moe: bool) -> None:
         c = self.config

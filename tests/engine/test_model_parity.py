@@ -13,6 +13,8 @@ from duet.engine import GenerateOptions, Tokens, generate, load_model
 from duet.engine.backend import MAX_ROWS
 from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
 
+# Flash-Next's QSA scores tie at 0 often; transformers' top-k picks among ties by accident (conftest.stable_topk)
+pytestmark = pytest.mark.usefixtures("stable_topk")
 PROMPT_LEN = 150  # more than two DeltaNet chunks (64 in transformers, 32 in ours), a multiple of neither
 DECODE_STEPS = 24
 
@@ -77,7 +79,7 @@ def test_a_prefill_of_the_last_row_only_matches_and_leaves_the_same_caches(tmp_p
     every, last = model.new_state(), model.new_state()
     every_row = model.forward(every, ids[:prompt_len])
     last_row = model.forward(last, ids[:prompt_len], last_only=True)
-    assert last_row.shape == (1, model.config.hidden_size)
+    assert last_row.shape == (1, every_row.shape[1])  # [1, H]; Flash-Next's streams [1, hc * H]
     assert_close(model.logits(last_row)[0], expected[prompt_len - 1])
     if prompt_len <= MAX_ROWS:  # each row computed on its own either way
         assert np.array_equal(last_row, every_row[-1:])

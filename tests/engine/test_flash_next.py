@@ -1,0 +1,208 @@
+"""Flash-Next (qwen4_exp) against transformers' qwen4_exp on tiny random configs: geometry variants,
+the MTP head (built from transformers' own Qwen4Exp layer classes, which have no MTP), the caches a
+verify rolls back, and the refusals for bad files. Parity of the common cases, greedy generation and
+rollback sit with the other model types in test_model_parity.py and test_speculative.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import add_random_flash_mtp_head, build_reference, save_reference
+from duet.engine import DuetError, GenerateOptions, Tokens, generate, load_model
+from duet.engine.backend import select
+from duet.engine.config import ModelConfig
+from duet.engine.errors import CheckpointError
+from duet.engine.loader import choose_backend
+
+EOS = 2  # <|im_end|>, the n-gram history's stop (conftest.flash_fields)
+pytestmark = pytest.mark.usefixtures("stable_topk")  # QSA's tied block scores: the same pick on both sides
+
+
+def logits_close(ours: np.ndarray, theirs: np.ndarray) -> None:
+    """Within 1e-3 of the logit scale: fp32 sums in another order through a few layers."""
+    scale = np.abs(theirs).max()
+    assert scale > 1.0, "reference logits too flat to compare"
+    assert np.abs(ours - theirs).max() <= 1e-3 * scale
+
+
+def prompt_ids(length: int, vocab: int, seed: int) -> np.ndarray:
+    """Random ids with EOS at a few places, one of them twice in a row."""
+    ids = np.random.default_rng(seed).integers(0, vocab, length)
+    ids[[length // 4, length // 4 + 1, length // 2, length - 5]] = EOS
+    return ids
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(hc_count=2, ple_layer_ids=[2]),  # two streams, PLE on one layer
+    dict(hc_count=4, ple_layer_ids=[1, 3], ngram_size=4, ple_embed_dim=48),  # 2-, 3- and 4-grams
+    dict(hc_count=3, ple_layer_ids=[], num_experts_per_tok=3),  # no PLE at all
+    dict(indexer_budget=8, indexer_compress_ratio=2, indexer_n_heads=2),  # many small blocks, few read
+], ids=["hc2-one-ple", "hc4-4grams", "no-ple", "small-blocks"])
+def test_prefill_and_decode_match_transformers_across_geometries(tmp_path, overrides):
+    ref = build_reference("qwen4_exp_text", seed=3, **overrides)
+    save_reference(ref, tmp_path, with_tokenizer=False)
+    model = load_model(tmp_path, tokenizer=False, backend="cpu").model
+    ids = prompt_ids(110, ref.config.vocab_size, seed=1)  # several times the QSA budget
+    with torch.no_grad():
+        expected = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    state = model.new_state()
+    logits_close(model.logits(model.forward(state, ids[:90])), expected[:90])
+    for i in range(90, len(ids)):
+        logits_close(model.logits(model.forward(state, ids[i : i + 1]))[0], expected[i])
+
+
+def trunk_streams(ref, ids: np.ndarray) -> torch.Tensor:
+    """transformers' hc-wide residual after the last layer (the input of its head mixer)."""
+    seen = {}
+    hook = ref.model.hyper_connection_mixer.register_forward_hook(lambda module, args, out: seen.update(x=args[0]))
+    try:
+        ref(torch.tensor(ids)[None])
+    finally:
+        hook.remove()
+    return seen["x"]
+
+
+def test_mtp_head_matches_a_reference_built_from_transformers_layers(tmp_path):
+    """Per stream s: fc_embedding(norm_e(embed(x_{t+1}))) + fc_hidden(norm_h(h_t)_s), a QSA layer at
+    positions t + 1, the MTP's own mixer, the shared head (llama.cpp's qwen4exp MTP graph)."""
+    ref = build_reference("qwen4_exp_text", seed=13)
+    save_reference(ref, tmp_path, with_tokenizer=False)
+    parts = add_random_flash_mtp_head(tmp_path, ref, seed=17)
+    hc, H = ref.config.hc_count, ref.config.hidden_size
+    ids = prompt_ids(90, ref.config.vocab_size, seed=4)
+    T = len(ids) - 1
+    with torch.no_grad():
+        streams = trunk_streams(ref, ids)[:, :-1]  # h_t for t < T
+        e = parts["fc_embedding"](parts["norm_embedding"](ref.model.embed_tokens(torch.tensor(ids[1:])[None])))
+        h = parts["fc_hidden"](parts["norm_hidden"](streams).unflatten(-1, (hc, H)))
+        x = (h + e[:, :, None, :]).flatten(-2)
+        positions = torch.arange(1, T + 1)[None, None].expand(3, 1, T)
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        x = parts["layer"](x, position_embeddings=parts["rotary"](x, positions), attention_mask=mask)
+        expected = ref.lm_head(parts["mixer"](x))[0].numpy()
+
+    model = load_model(tmp_path, tokenizer=False, backend="cpu").model
+    assert model.mtp is not None
+    main = model.forward(model.new_state(), ids)  # the streams, [len(ids), hc * H]
+    state = model.new_mtp_state()
+    prefill = model.draft_logits(model.mtp_forward(state, ids[1:60], main[:59]))
+    steps = [model.draft_logits(model.mtp_forward(state, ids[i + 1 : i + 2], main[i : i + 1]))[0]
+             for i in range(59, T)]
+    logits_close(np.concatenate([prefill, np.stack(steps)]), expected)
+
+
+def run(lm, prompt, options):
+    tokens, finished = [], None
+    for event in generate(lm, prompt, options):
+        if isinstance(event, Tokens):
+            tokens.extend(event.token_ids)
+        else:
+            finished = event
+    return tokens, finished
+
+
+def test_greedy_replies_with_mtp_ngram_and_no_drafts_are_transformers_reply(tmp_path):
+    ref = build_reference("qwen4_exp_text", seed=6)
+    save_reference(ref, tmp_path)
+    add_random_flash_mtp_head(tmp_path, ref, seed=8)
+    lm = load_model(tmp_path)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 300, 40)]
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, eos_token_id=[EOS],
+                           pad_token_id=EOS)
+    theirs = out[0, len(prompt):].tolist()
+    assert len(theirs) == 64, "pick a seed whose greedy run does not hit eos"
+    for draft in ("none", "ngram", "mtp"):
+        ours, finished = run(lm, prompt, GenerateOptions(max_tokens=64, draft=draft))
+        assert ours == theirs, draft
+        assert draft == "none" or finished.stats.drafted > 0
+
+
+def test_greedy_with_drafts_is_greedy_without_on_the_q4_cache(tmp_path):
+    """Every verify rolls back the 4-bit KV rows, the indexer's keys and blocks, PLE's history and conv."""
+    ref = build_reference("qwen4_exp_text", seed=6)
+    save_reference(ref, tmp_path)
+    add_random_flash_mtp_head(tmp_path, ref, seed=8)
+    lm = load_model(tmp_path)
+    prompt = [5, 6, 7, 8, 9] * 8  # repetitive: n-gram drafts find matches
+    plain, _ = run(lm, prompt, GenerateOptions(max_tokens=48, draft="none", kv="q4"))
+    for draft in ("ngram", "mtp"):
+        drafted, finished = run(lm, prompt, GenerateOptions(max_tokens=48, draft=draft, kv="q4"))
+        assert drafted == plain and finished.stats.drafted > 0, draft
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad files: one line naming what is wrong, before a weight is read
+
+
+@pytest.fixture(scope="module")
+def flash_dir(tmp_path_factory):
+    return save_reference(build_reference("qwen4_exp_text", seed=3), tmp_path_factory.mktemp("flash") / "m",
+                          with_tokenizer=False)
+
+
+def damaged(flash_dir, tmp_path, change) -> Path:
+    """A copy of the checkpoint whose tensors (a dict by name) change(tensors) edits."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = Path(shutil.copytree(flash_dir, tmp_path / "damaged"))
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def test_a_missing_ngram_shard_is_named(flash_dir, tmp_path):
+    folder = damaged(flash_dir, tmp_path, lambda t: t.pop("model.layers.2.ple.ple_embedding.ngram_embedding.shard_3.weight"))
+    with pytest.raises(CheckpointError, match=r"shard_3\.weight is missing; the n-gram table is stored in 4 shards"):
+        load_model(folder, tokenizer=False)
+
+
+def test_hash_constants_that_reach_outside_the_table_are_refused(flash_dir, tmp_path):
+    def grow(tensors):
+        tensors["model.layers.0.ple.ple_embedding.ngram_heads_vocab_sizes"][-1] += 10_000
+
+    with pytest.raises(CheckpointError, match="vocabularies run outside the table's 432 rows"):
+        load_model(damaged(flash_dir, tmp_path, grow), tokenizer=False)
+
+
+def test_hash_constants_stored_as_floats_are_refused(flash_dir, tmp_path):
+    """llama.cpp's converter notes how float32 would round the 45-bit multipliers: never accept them."""
+    def as_float(tensors):
+        key = "model.layers.0.ple.ple_embedding.layer_multipliers"
+        tensors[key] = tensors[key].astype(np.float32)
+
+    with pytest.raises(CheckpointError, match=r"layer_multipliers is F32 \[3\], expected I64 \[3\]"):
+        load_model(damaged(flash_dir, tmp_path, as_float), tokenizer=False)
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(ple_layer_ids=[4]), "ple_layer_ids names a layer that is not linear attention"),
+    (dict(ple_layer_ids=[9]), "not a list of layer numbers from 1 to 5"),
+    (dict(indexer_n_heads=None), "missing 'indexer_n_heads'"),
+    (dict(indexer_budget=10), "indexer_budget is not a multiple of indexer_compress_ratio"),
+    (dict(hc_count=1), "'hc_count' is 1, not an integer from 2 to 64"),
+    (dict(output_gate_type="gelu"), "output_gate_type 'gelu' is not supported"),
+])
+def test_bad_flash_next_configs_are_one_line(flash_dir, tmp_path, change, needle):
+    folder = Path(shutil.copytree(flash_dir, tmp_path / "bad"))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(change)
+    config = {k: v for k, v in config.items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=needle):
+        load_model(folder, tokenizer=False)
+
+
+def test_the_gpu_backend_leaves_flash_next_on_the_cpu(flash_dir, monkeypatch):
+    monkeypatch.setattr(select, "cuda_device_count", lambda: 1)  # as if a GPU were here
+    config = ModelConfig.from_file(flash_dir / "config.json")
+    assert choose_backend(config, flash_dir, "auto") == "cpu"
+    with pytest.raises(DuetError, match="Flash-Next .* run on the CPU for now; unset DUET_BACKEND"):
+        choose_backend(config, flash_dir, "cupy")
