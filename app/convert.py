@@ -4,7 +4,11 @@
                   the W4 layout (engine/quant/w4.py). Kept 16-bit as real INT4 checkpoints keep them:
                   embeddings, lm_head, DeltaNet in_proj_a/b, routers, shared-expert gates, and any
                   matrix whose input size is not a multiple of 128 (listed in `ignore`, and named in
-                  what convert prints). A model none of whose matrices fit is refused.
+                  what convert prints). A model none of whose matrices fit is refused. Flash-Next
+                  (qwen4_exp) also keeps its hyper-connection mixers (sigmoid gates over a few
+                  thousand inputs: small, and what every stream's weight comes from) and its QSA
+                  indexer (a block's pick turns on score differences 4-bit noise would swamp) in
+                  16 bit; its n-gram tables and hash constants are copied as they are.
     gguf-f32, gguf-f16, gguf-bf16, gguf-q8_0, gguf-q4_0
                   GGUF as llama.cpp's convert_hf_to_gguf.py writes the architecture (qwen35,
                   qwen35moe, qwen3next), tokenizer and chat template included; which tensor goes where
@@ -53,7 +57,8 @@ FORMATS = (INT4, *GGUF_TYPES, *TRELLIS_RATES)
 OUR_FORMAT = {"duet.format": "int4-pack-quantized", "duet.version": "1"}  # __metadata__ of our INT4 files
 # in_proj_ba is Qwen3-Next's fused in_proj_b + in_proj_a: kept 16-bit like them (its per-head split
 # takes rows that cut trellis tiles).
-KEPT_16BIT = ("embed_tokens", "lm_head", "in_proj_a", "in_proj_b", "in_proj_ba", "mlp.gate", "shared_expert_gate")
+KEPT_16BIT = ("embed_tokens", "lm_head", "in_proj_a", "in_proj_b", "in_proj_ba", "mlp.gate", "shared_expert_gate",
+              "input_mix_weight_down", "input_mix_weight_up", "block_inject_weight", "index_qk_proj")
 MROPE_SECTIONS = [11, 11, 10, 0]  # llama.cpp requires the key for qwen35; text-only positions make it plain RoPE
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "BF16": 32}  # general.file_type (llama_ftype)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
@@ -189,6 +194,7 @@ def write_int4(src: Path, dst: Path, ckpt: SafetensorsCheckpoint, plan: TensorPl
             if matrix.ndim == 2 and name.endswith(".weight"):
                 ignore.append(name[: -len(".weight")])
             tensors[name] = raw_tensor(ckpt, name, matrix)
+    tensors.update(copied_as_stored(ckpt, plan))
     dst.mkdir(parents=True)
     write_safetensors(dst / "model.safetensors", tensors, {"format": "pt", **OUR_FORMAT})
     config = json.loads((src / "config.json").read_text(encoding="utf-8"))
@@ -214,6 +220,7 @@ def write_trellis(src: Path, dst: Path, ckpt: SafetensorsCheckpoint, plan: Tenso
             count += 1
         else:
             tensors[name] = raw_tensor(ckpt, name, matrix)
+    tensors.update(copied_as_stored(ckpt, plan))
     dst.mkdir(parents=True)
     write_safetensors(dst / "model.safetensors", tensors, {"format": "pt", **trellis_metadata(k, TRELLIS_SEED)})
     for file in ("config.json", *TOKENIZER_FILES):
@@ -231,6 +238,18 @@ def per_expert_matrices(read, plan: TensorPlan):
             yield from expert_matrices(name, value).items()
         else:
             yield name, value
+
+
+def copied_as_stored(ckpt: SafetensorsCheckpoint, plan: TensorPlan) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Flash-Next's n-gram table shards and int64 hash constants, byte for byte: no format codes them."""
+    names = [*plan.integers, *(name for shards in plan.tables.values() for name in shards)]
+    out = {}
+    for name in names:
+        info = ckpt.info(name)
+        with open(ckpt.file_of(name), "rb") as handle:
+            handle.seek(info.begin)
+            out[name] = info.dtype, info.shape, handle.read(info.nbytes)
+    return out
 
 
 FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")

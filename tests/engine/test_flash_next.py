@@ -206,3 +206,27 @@ def test_the_gpu_backend_leaves_flash_next_on_the_cpu(flash_dir, monkeypatch):
     assert choose_backend(config, flash_dir, "auto") == "cpu"
     with pytest.raises(DuetError, match="Flash-Next .* run on the CPU for now; unset DUET_BACKEND"):
         choose_backend(config, flash_dir, "cupy")
+
+
+def test_a_converted_int4_file_keeps_the_tables_and_constants_and_runs(tmp_path):
+    """`duet convert` codes the matrices its rule names and copies the n-gram shards and the int64
+    constants byte for byte (no format codes a table; float constants would round the multipliers).
+    The trellis writer copies them with the same function; trellis-coding this model takes minutes."""
+    from duet.app.cli import main
+    from duet.engine.checkpoint.safetensors import SafetensorsFile
+
+    dims = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
+                moe_intermediate_size=128, shared_expert_intermediate_size=128, ple_embed_dim=128, hc_lowrank=32)
+    source = save_reference(build_reference("qwen4_exp_text", seed=7, **dims), tmp_path / "source")
+    assert main(["convert", str(source), str(tmp_path / "int4"), "--format", "int4"]) == 0
+    before, after = SafetensorsFile(source / "model.safetensors"), SafetensorsFile(tmp_path / "int4" / "model.safetensors")
+    kept = [name for name in before.tensors if ".ngram_embedding." in name or name.endswith(("_multipliers", "_sizes", "_offsets"))]
+    assert len(kept) == 2 * (4 + 3)  # two PLE layers: 4 shards and 3 constants each
+    for name in kept:
+        assert after.tensors[name].dtype == before.tensors[name].dtype, name
+        assert np.array_equal(after.raw(name), before.raw(name)), name
+    assert "model.layers.0.attn_hyper_connection.input_mix_weight_down.weight" in after.tensors  # kept 16-bit
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight_packed" in after.tensors  # coded
+    for route in ("w4a16", "w4a8"):  # numerics: test_route_references.py
+        tokens, finished = run(load_model(tmp_path / "int4", route=route), [5, 6, 7, 8, 9] * 4, GenerateOptions(max_tokens=8))
+        assert len(tokens) == 8 and finished.stats.routes == [route]
