@@ -131,10 +131,11 @@ def _bill_lines(h: CheckpointHeaders, r: Assessment) -> list[str]:
         _row("decoder weights" + (" (routed experts: those the rows route to)" if b.decoder[EXPERTS] else ""), b.decoder_weights),
         f"    {kinds}",
         _row(head, b.lm_head),
-        _row("embedding rows and rescored candidates' rows", b.lookups),
+        _row("embedding rows, rescored candidates' rows" + (", n-gram rows (host)" if c.flash else ""), b.lookups),
         _row("DeltaNet state, read and written", b.deltanet_state),
-        _row("conv state, read and written", b.conv_state),
-        _row(f"KV cache, {attention_layers(c)} attention layers", b.kv_cache),
+        _row("conv state" + (" (DeltaNet and PLE)" if c.flash else "") + ", read and written", b.conv_state),
+        _row(f"KV cache, {attention_layers(c)} attention layers"
+             + (f" (QSA: block keys, ~{c.flash.indexer_budget:,} rows a row)" if c.flash else ""), b.kv_cache),
         _row("= verify pass", b.verify_pass),
     ]
     if s.depth:

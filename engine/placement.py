@@ -11,6 +11,11 @@ read and nothing is allocated. Two products:
   with a snapshot per verify row, workspace, with the bf16 tables on the card or in host memory, and
   the longest context that fits for each KV type.
 
+Flash-Next (qwen4_exp): its hyper-connections and PLE projections are decoder weights; its n-gram
+tables are host tables (never on the card: a pass gathers ngram_heads rows a token from each); its
+QSA layers read the indexer's pooled block keys over the whole context but the KV rows of the
+selected blocks and the tail only; its PLE conv history is state beside DeltaNet's conv.
+
 Quantized tensors count as stored (packed 4-bit words plus their scales and zeros). With `w4`, the
 float linears are counted as the engine's W4 repack would hold them: 4-bit levels plus a bf16 scale
 per W4_GROUP inputs, except DeltaNet's small per-head gate inputs (in_proj_a/b), routers, norms and
@@ -48,15 +53,20 @@ DEFAULT_ETA = 0.84  # share of peak bandwidth reached: the seed's 57.8 tok/s x 1
 DEFAULT_DEPTH = 3  # MTP drafts a cycle when the checkpoint has an MTP head (the seed's "three times")
 KV_TYPES = tuple(KVCache)  # bf16, q8, q4: the order plans try them in
 
-# Kinds of tensor. The first six make up the decoder weights.
+INDEX_KEY_BYTES = 2  # QSA indexer keys, raw and pooled, are kept 16-bit like the KV rows they pick
+
+# Kinds of tensor. The first eight make up the decoder weights.
 ATTENTION, DELTANET, MLP, EXPERTS, SHARED, NORMS = (
     "attention", "DeltaNet", "MLP", "routed experts", "shared experts and routers", "norms and conv")
-DECODER_KINDS = (ATTENTION, DELTANET, MLP, EXPERTS, SHARED, NORMS)
+HYPER, PLE = "hyper-connections", "PLE projections"  # Flash-Next
+DECODER_KINDS = (ATTENTION, DELTANET, MLP, EXPERTS, SHARED, NORMS, HYPER, PLE)
 EMBEDDING, HEAD, MTP, VISION, METADATA, OTHER = "embedding", "lm_head", "MTP head", "vision tower", "metadata", "other"
+NGRAM = "n-gram tables"  # Flash-Next's PLE tables: host tables
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
 SMALL_PARAMS = {"conv1d", "A_log", "dt_bias", "ssm_conv1d", "ssm_a", "ssm_dt"}
 KEEP_16BIT = ("in_proj_a.", "in_proj_b.", "in_proj_ba.", "ssm_alpha.", "ssm_beta.", "ssm_ba.")  # [Hv, H] gate inputs
 ROUTERS = (".gate.", "shared_expert_gate.", "ffn_gate_inp")
+NGRAM_CONSTANTS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
 LAYER = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.(.+)$")
 
 
@@ -94,8 +104,10 @@ def detect_card() -> Card | None:
 def tensor_kind(name: str, config: ModelConfig) -> str:
     """The kind of a checkpoint tensor, HF (`model.language_model.layers.3.mlp.up_proj.weight`) or GGUF
     (`blk.3.ffn_up.weight`) name."""
-    if name.endswith(".weight_shape"):
-        return METADATA  # compressed-tensors keeps the unpacked shape beside the weight; no kernel reads it
+    if name.endswith(".weight_shape") or name.endswith(NGRAM_CONSTANTS):
+        return METADATA  # the unpacked shape compressed-tensors keeps; PLE hash constants (read once, at load)
+    if ".ngram_embedding." in name or name.startswith("per_layer_token_embd"):
+        return NGRAM
     if name.startswith(("model.visual.", "visual.", "model.vision_tower.", "vision_tower.")):
         return VISION
     layer = LAYER.search(name)
@@ -107,6 +119,9 @@ def tensor_kind(name: str, config: ModelConfig) -> str:
         return EMBEDDING
     if name.startswith("lm_head.") or name.startswith("output."):
         return HEAD
+    if name.startswith(("hyper_connection_mixer.", "model.hyper_connection_mixer.", "model.language_model.hyper_connection_mixer.",
+                        "output_hc_")):
+        return HYPER  # Flash-Next's head mixer, in place of the final norm
     if name.endswith("norm.weight"):
         return NORMS  # the final norm
     return OTHER
@@ -114,6 +129,10 @@ def tensor_kind(name: str, config: ModelConfig) -> str:
 
 def _layer_kind(rest: str, layer_type: str) -> str:
     parts = rest.split(".")
+    if parts[0].endswith("hyper_connection") or parts[0].startswith("hc_"):
+        return HYPER
+    if parts[0] == "ple" or parts[0].startswith("ple_"):
+        return PLE
     if any(p.endswith("norm") or p in SMALL_PARAMS for p in parts):
         return NORMS
     if "experts" in parts or any(p.endswith("_exps") for p in parts):
@@ -189,6 +208,8 @@ class Weights:
     vision: int
     unread: int  # metadata and tensors duet does not use
     vocab: int
+    ngram_tables: int = 0  # Flash-Next: every PLE layer's n-gram table, in host memory
+    ngram_token: int = 0  # what one token gathers from them: ngram_heads rows of each
 
     @property
     def expert(self) -> int:
@@ -203,10 +224,13 @@ class Weights:
 
 def weights_of(headers: CheckpointHeaders, w4: bool) -> Weights:
     config, parts = headers.config, {k: 0 for k in (*DECODER_KINDS, EMBEDDING, MTP, VISION, METADATA, OTHER)}
-    mtp_experts, head = 0, None
+    mtp_experts, head, ngram_row = 0, None, {}
     for t in headers.tensors.values():
         kind = tensor_kind(t.name, config)
-        if kind == HEAD:
+        if kind == NGRAM:  # a table (or a shard of one): bytes of one row, by its layer
+            parts[NGRAM] = parts.get(NGRAM, 0) + t.nbytes
+            ngram_row[t.name.partition(".ngram_embedding.")[0]] = t.nbytes // max(1, t.shape[0])
+        elif kind == HEAD:
             head = t
         elif kind == MTP and (".experts." in t.name or "_exps" in t.name):
             mtp_experts += held_bytes(t, kind, w4)
@@ -234,6 +258,8 @@ def weights_of(headers: CheckpointHeaders, w4: bool) -> Weights:
         vision=parts[VISION],
         unread=parts[METADATA] + parts[OTHER],
         vocab=config.vocab_size,
+        ngram_tables=parts.get(NGRAM, 0),
+        ngram_token=config.flash.ngram_heads * sum(ngram_row.values()) if config.flash else 0,
     )
 
 
@@ -253,10 +279,15 @@ def deltanet_state_bytes(c: ModelConfig) -> int:
 
 
 def conv_state_bytes(c: ModelConfig) -> int:
-    """One copy of every DeltaNet layer's conv history: the last kernel - 1 inputs of the qkv channels."""
+    """One copy of every DeltaNet layer's conv history: the last kernel - 1 inputs of the qkv channels;
+    and Flash-Next's PLE conv history: (kernel - 1) x dilation rows of the hc streams."""
     layers = c.layer_types.count(LINEAR_ATTENTION)
     channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
-    return layers * (c.linear_conv_kernel_dim - 1) * channels * STATE_BYTES
+    ple = 0
+    if c.flash:
+        f = c.flash
+        ple = len(f.ple_layers) * (f.ple_conv_kernel - 1) * f.ngram_size * f.hc_count * c.hidden_size
+    return (layers * (c.linear_conv_kernel_dim - 1) * channels + ple) * STATE_BYTES
 
 
 def kv_row_bytes(c: ModelConfig, kv: str) -> float:
@@ -272,18 +303,31 @@ def kv_exact_rows(kv: str) -> int:
     return 0 if kv == "bf16" else SINK_ROWS + RECENT_ROWS + MAX_ROWS
 
 
+def kv_token_bytes(c: ModelConfig, kv: str) -> float:
+    """What one token adds to one attention layer's cache: its keys and values and, with QSA, its
+    indexer key and its share of a pooled block key."""
+    index = (1 + 1 / c.flash.indexer_compress_ratio) * c.flash.indexer_head_dim * INDEX_KEY_BYTES if c.flash else 0
+    return kv_row_bytes(c, kv) + index
+
+
 def kv_cache_bytes(c: ModelConfig, kv: str, context: int, layers: int) -> int:
     """The cache `layers` attention layers hold for `context` tokens (quantized rows for all of them)."""
     exact = kv_exact_rows(kv) * 2 * c.num_key_value_heads * c.head_dim * EXACT_ROW_BYTES
-    return math.ceil(layers * (context * kv_row_bytes(c, kv) + exact))
+    return math.ceil(layers * (context * kv_token_bytes(c, kv) + exact))
 
 
-def kv_read_bytes(c: ModelConfig, kv: str, context: int, layers: int) -> int:
-    """What one pass of `layers` attention layers reads of a `context`-token cache: the sink and recent
-    rows exact, the rest quantized."""
-    exact_rows = 0 if kv == "bf16" else min(context, SINK_ROWS + RECENT_ROWS)
+def kv_read_bytes(c: ModelConfig, kv: str, context: int, layers: int, rows: int = 1) -> int:
+    """What one pass of `rows` rows through `layers` attention layers reads of a `context`-token cache:
+    the sink and recent rows exact, the rest quantized. QSA reads every pooled block key but of the KV
+    only each row's selection, its top blocks and the tail: at most indexer_budget + ratio - 1 rows a row."""
+    read, index = context, 0
+    if c.flash:
+        f = c.flash
+        read = min(context, rows * (f.indexer_budget + f.indexer_compress_ratio - 1))
+        index = (context // f.indexer_compress_ratio + f.indexer_compress_ratio) * f.indexer_head_dim * INDEX_KEY_BYTES
+    exact_rows = 0 if kv == "bf16" else min(read, SINK_ROWS + RECENT_ROWS)
     exact = exact_rows * 2 * c.num_key_value_heads * c.head_dim * EXACT_ROW_BYTES
-    return math.ceil(layers * ((context - exact_rows) * kv_row_bytes(c, kv) + exact))
+    return math.ceil(layers * ((read - exact_rows) * kv_row_bytes(c, kv) + exact + index))
 
 
 def attention_layers(c: ModelConfig) -> int:
@@ -303,7 +347,8 @@ def workspace_bytes(c: ModelConfig, rows: int) -> int:
                  2 * c.num_experts_per_tok * c.moe_intermediate_size + 2 * c.shared_expert_intermediate_size,
                  2 * c.linear_num_key_heads * c.linear_key_head_dim + 2 * c.linear_num_value_heads * c.linear_value_head_dim,
                  2 * (c.num_attention_heads + c.num_key_value_heads) * c.head_dim)
-    return PREFILL_CHUNK * (widest + 4 * c.hidden_size) * 4 + rows * c.vocab_size * 4
+    residual = c.hidden_size * (c.flash.hc_count if c.flash else 1)  # Flash-Next's residual is hc streams wide
+    return PREFILL_CHUNK * (widest + 4 * residual) * 4 + rows * c.vocab_size * 4
 
 
 # --- the bill of bytes ---------------------------------------------------------------------------------
@@ -317,7 +362,7 @@ class Bill:
     depth: int
     decoder: dict[str, int]  # by kind; routed experts: only those the rows route to
     lm_head: int
-    lookups: int  # the rows' embedding rows and the bf16 rows of their rescored candidates
+    lookups: int  # the rows' embedding rows, the bf16 rows of their rescored candidates and their n-gram rows
     deltanet_state: int  # read once and written once
     conv_state: int  # read once and written once
     kv_cache: int  # the attention layers' KV at `context`
@@ -358,10 +403,10 @@ def bill_of_bytes(weights: Weights, c: ModelConfig, context: int = 0, kv: str = 
     return Bill(
         context=context, kv=kv, depth=depth, decoder=decoder,
         lm_head=weights.head_read,
-        lookups=(rows + (depth if drafters else 0)) * embed_row + rescored,
+        lookups=(rows + (depth if drafters else 0)) * embed_row + rescored + rows * weights.ngram_token,
         deltanet_state=2 * state,
         conv_state=2 * conv,
-        kv_cache=kv_read_bytes(c, kv, context, attention_layers(c)),
+        kv_cache=kv_read_bytes(c, kv, context, attention_layers(c), rows),
         drafting=depth * draft_step,
         drafting_kv=depth * kv_read_bytes(c, kv, context, drafters),
         snapshots=depth * (state + conv),
@@ -374,6 +419,7 @@ def _not_read(weights: Weights, c: ModelConfig, rows: int, drafters: int) -> dic
         "embedding (a row a token is read)": weights.embedding,
         "bf16 rescoring head (the candidates' rows are read)": weights.rescoring_head,
         "routed experts no row routes to": round(weights.decoder[EXPERTS] * (1 - routed_share(c, rows))),
+        "n-gram tables (a few rows a token, from host memory)": weights.ngram_tables,
         "MTP head (no drafts)": 0 if drafters else weights.mtp + weights.mtp_experts,
         "vision tower": weights.vision,
         "metadata and tensors duet does not use": weights.unread,
@@ -413,6 +459,8 @@ def memory_plan(weights: Weights, c: ModelConfig, card: Card, context: int, kv: 
     fixed = _fixed_parts(weights, c, kv, host_tables, depth)
     fixed[f"KV cache, {kv}"] = kv_cache_bytes(c, kv, context, attention_layers(c) + drafting_layers(weights, c, depth))
     on_host = _host_tables(weights) if host_tables else {}
+    if weights.ngram_tables:  # always a host table: a token reads a few rows of tens of GB
+        on_host[NGRAM] = weights.ngram_tables
     experts = weights.decoder[EXPERTS]
     share = None
     if experts:
@@ -455,7 +503,7 @@ def max_context(weights: Weights, c: ModelConfig, card: Card, kv: str, host_tabl
     room = card.vram - fixed - kv_cache_bytes(c, kv, 0, layers)
     if room < 0:
         return 0
-    return min(c.max_position_embeddings, int(room // (layers * kv_row_bytes(c, kv))))
+    return min(c.max_position_embeddings, int(room // (layers * kv_token_bytes(c, kv))))
 
 
 # --- everything `duet models info` shows ------------------------------------------------------------

@@ -242,3 +242,83 @@ def write_flash_next_like_gguf(path: Path) -> Path:
             "expert_count": experts, "expert_used_count": 10, "expert_feed_forward_length": inner,
             "expert_shared_feed_forward_length": inner}
     return write_gguf(path, "qwen35moe", keys, t)
+
+
+# --- Flash-Next (qwen4_exp) at the seed's scale -----------------------------------------------------
+# 48 layers (36 DeltaNet, 12 QSA), hidden 2048, 512 experts of 512, 10 routed a token (transformers'
+# Qwen4ExpTextConfig defaults, llama.cpp's A3B at 48 layers); 4 streams; PLE on one layer, 2- and
+# 3-grams of 8 heads each over ~20M-row prime vocabularies, 128 wide: a 41B-value table (transformers:
+# "~45B"). The indexer's heads, budget and ratio are not published; these are assumptions.
+FN = dict(h=2048, layers=48, heads=16, kv=2, experts=512, inner=512, hc=4, lowrank=320, hk=16, hv=32, d=128,
+          index_heads=16, index_dim=128, budget=2048, ratio=4, ple_heads=16, ple_rows=320_000_000, shards=512)
+
+
+def config_flash_next() -> dict:
+    f = FN
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "config_groups": {"group_0": {"targets": ["Linear"],
+                                           "weights": {"num_bits": 4, "group_size": 128, "symmetric": True}}},
+             "ignore": ["lm_head", "re:.*in_proj_a", "re:.*in_proj_b", "re:.*hyper_connection.*", "re:.*index_qk_proj",
+                        "re:.*mlp.gate", "re:.*shared_expert_gate"]}
+    return dict(model_type="qwen4_exp_text", vocab_size=V, hidden_size=f["h"], num_hidden_layers=f["layers"],
+                num_attention_heads=f["heads"], num_key_value_heads=f["kv"], head_dim=HEAD_DIM,
+                linear_num_key_heads=f["hk"], linear_num_value_heads=f["hv"], linear_key_head_dim=f["d"],
+                linear_value_head_dim=f["d"], linear_conv_kernel_dim=CONV, full_attention_interval=4,
+                max_position_embeddings=262_144, num_experts=f["experts"], num_experts_per_tok=10,
+                moe_intermediate_size=f["inner"], shared_expert_intermediate_size=f["inner"], hc_count=f["hc"],
+                hc_lowrank=f["lowrank"], ple_layer_ids=[2], ple_embed_dim=f["h"], ngram_size=3, heads_per_ngram=8,
+                split_ngram_parts=f["shards"], indexer_n_heads=f["index_heads"], indexer_kv_heads=1,
+                indexer_head_dim=f["index_dim"], indexer_budget=f["budget"], indexer_compress_ratio=f["ratio"],
+                eos_token_id=248046, output_gate_type="sigmoid", quantization_config=quant,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+
+
+def tensors_flash_next_int4() -> dict:
+    f = FN
+    h, wide = f["h"], f["hc"] * f["h"]
+    qkv = 2 * f["hk"] * f["d"] + f["hv"] * f["d"]
+    t = {"model.embed_tokens.weight": ("BF16", (V, h)), "lm_head.weight": ("BF16", (V, h))}
+
+    def hyper(p: str, inject: bool = True) -> dict:
+        parts = {p + "hc_norm.weight": ("BF16", (wide,))} | bf16(p + "input_mix_weight_down", f["lowrank"], wide)
+        parts |= bf16(p + "input_mix_weight_up", wide, f["lowrank"])
+        return parts | (bf16(p + "block_inject_weight", f["hc"], wide) if inject else {})
+
+    t |= hyper("model.hyper_connection_mixer.", inject=False)
+    for i in range(f["layers"]):
+        p = f"model.layers.{i}."
+        t |= hyper(p + "attn_hyper_connection.") | hyper(p + "mlp_hyper_connection.")
+        if (i + 1) % 4 == 0:
+            a = p + "self_attn."
+            t |= int4(a + "q_proj", 2 * f["heads"] * HEAD_DIM, h) | int4(a + "k_proj", f["kv"] * HEAD_DIM, h)
+            t |= int4(a + "v_proj", f["kv"] * HEAD_DIM, h) | int4(a + "o_proj", h, f["heads"] * HEAD_DIM)
+            t |= {a + "q_norm.weight": ("BF16", (HEAD_DIM,)), a + "k_norm.weight": ("BF16", (HEAD_DIM,))}
+            t |= bf16(a + "indexer.index_qk_proj", (f["index_heads"] + 1) * f["index_dim"], h)
+            t |= {a + f"indexer.{n}.weight": ("BF16", (f["index_dim"],)) for n in ("q_layernorm", "k_layernorm")}
+        else:
+            d = p + "linear_attn."
+            t |= int4(d + "in_proj_qkv", qkv, h) | int4(d + "in_proj_z", f["hv"] * f["d"], h)
+            t |= bf16(d + "in_proj_b", f["hv"], h) | bf16(d + "in_proj_a", f["hv"], h) | int4(d + "out_proj", h, f["hv"] * f["d"])
+            t |= {d + "conv1d.weight": ("BF16", (qkv, 1, CONV)), d + "A_log": ("F32", (f["hv"],)),
+                  d + "dt_bias": ("BF16", (f["hv"],)), d + "norm.weight": ("BF16", (f["d"],))}
+        m = p + "mlp."
+        t |= bf16(m + "gate", f["experts"], h) | bf16(m + "shared_expert_gate", 1, h)
+        for name, n, k in (("gate_proj", f["inner"], h), ("up_proj", f["inner"], h), ("down_proj", h, f["inner"])):
+            t |= int4(f"{m}shared_expert.{name}", n, k)
+            for e in range(f["experts"]):
+                t |= int4(f"{m}experts.{e}.{name}", n, k)
+        if i == 1:  # ple_layer_ids [2], 1-based
+            e = p + "ple.ple_embedding."
+            t |= int4(p + "ple.key_proj", wide, h) | int4(p + "ple.value_proj", h, h)
+            t |= {f"{p}ple.{n}.weight": ("BF16", (wide,)) for n in ("norm_key", "norm_query", "norm_conv")}
+            t |= {p + "ple.conv1d.weight": ("BF16", (wide, 1, 4)), e + "layer_multipliers": ("I64", (3,)),
+                  e + "ngram_heads_vocab_sizes": ("I64", (f["ple_heads"],)), e + "ngram_heads_offsets": ("I64", (f["ple_heads"],))}
+            rows = f["ple_rows"] // f["shards"]
+            t |= {f"{e}ngram_embedding.shard_{j}.weight": ("BF16", (rows, h // f["ple_heads"])) for j in range(f["shards"])}
+    return t
+
+
+def write_flash_next_int4(folder: Path, shards: int = 8) -> Path:
+    write_safetensors(folder, tensors_flash_next_int4(), shards)
+    (folder / "config.json").write_text(json.dumps(config_flash_next()))
+    return folder

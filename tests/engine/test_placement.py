@@ -17,9 +17,9 @@ import headeronly as ho
 from duet.engine.checkpoint.headers import read_headers
 from duet.engine.checkpoint.safetensors import SafetensorsFile
 from duet.engine.placement import (
-    ATTENTION, DELTANET, EXPERTS, GB, HEAD, METADATA, MLP, MTP, NORMS, RTX_3090, SHARED, VISION, EMBEDDING,
-    assess, bill_of_bytes, ceiling_tok_s, detect_card, kv_exact_rows, kv_read_bytes, kv_row_bytes, memory_plan, tensor_kind,
-    weights_of,
+    ATTENTION, DELTANET, EXPERTS, GB, HEAD, HYPER, METADATA, MLP, MTP, NGRAM, NORMS, PLE, RTX_3090, SHARED, VISION,
+    EMBEDDING, assess, bill_of_bytes, ceiling_tok_s, detect_card, kv_exact_rows, kv_read_bytes, kv_row_bytes, memory_plan,
+    tensor_kind, weights_of,
 )
 
 
@@ -152,6 +152,19 @@ def test_a_bf16_checkpoint_repacked_to_w4_reads_what_the_int4_one_stores(tmp_pat
     ("output.weight", HEAD),
     ("output_norm.weight", NORMS),
     ("token_embd.weight", EMBEDDING),
+    ("model.layers.1.attn_hyper_connection.input_mix_weight_down.weight", HYPER),  # Flash-Next
+    ("model.layers.1.mlp_hyper_connection.hc_norm.weight", HYPER),
+    ("model.hyper_connection_mixer.input_mix_weight_up.weight", HYPER),
+    ("model.layers.1.ple.key_proj.weight", PLE),
+    ("model.layers.1.ple.norm_conv.weight", PLE),
+    ("model.layers.1.ple.ple_embedding.ngram_embedding.shard_7.weight", NGRAM),
+    ("model.layers.1.ple.ple_embedding.layer_multipliers", METADATA),
+    ("model.layers.3.self_attn.indexer.index_qk_proj.weight", ATTENTION),
+    ("mtp.hyper_connection_mixer.hc_norm.weight", MTP),
+    ("blk.1.hc_attn_down.weight", HYPER),
+    ("blk.1.ple_key.weight", PLE),
+    ("output_hc_up.weight", HYPER),
+    ("per_layer_token_embd.weight", NGRAM),
 ])
 def test_tensor_kinds(name, kind):
     assert tensor_kind(name, ho_config()) == kind
@@ -177,6 +190,37 @@ def test_flash_next_like_moe_reads_only_routed_experts(tmp_path):
     assert 0 < report.plan.experts_on_card < 1 and report.plan.fits
     print(f"\nFlash-Next-like on an RTX 3090: {report.plan.experts_on_card:.0%} of routed experts on the card; "
           f"a pass reads {bill.total / GB:.2f} GB; non-expert weights {(bill.decoder_weights - bill.decoder[EXPERTS]) / GB:.2f} GB")
+
+
+def test_flash_next_at_the_seeds_scale(tmp_path):
+    """qwen4_exp with transformers' default geometry at 48 layers (headeronly.FN), INT4 experts. Every
+    expected figure is counted here from the geometry, not taken from the plan; the seed's own (AI3
+    file, llamAmpere) are in the note: routed experts 46.18 GB, 0.90 GB a token, n-gram table 28.80 GB."""
+    f = ho.FN
+    headers = read_headers(str(ho.write_flash_next_int4(tmp_path / "flash-next")))
+    context = 100_000
+    report = assess(headers, RTX_3090, kv="q4", context=context)
+    w, bill, plan, c = report.weights, report.bill, report.plan, headers.config
+    expert = 3 * f["h"] * f["inner"] * (0.5 + 2 / 128)  # three INT4 matrices, a bf16 scale per 128
+    assert w.decoder[EXPERTS] == f["layers"] * f["experts"] * expert
+    assert bill.decoder[EXPERTS] == f["layers"] * 10 * expert  # 10 routed a token, one row
+    table = f["ple_rows"] * (f["h"] // f["ple_heads"]) * 2  # bf16
+    assert w.ngram_tables == table and plan.on_host[NGRAM] == table and NGRAM not in plan.on_card
+    assert bill.not_read["n-gram tables (a few rows a token, from host memory)"] == table
+    assert w.ngram_token == f["ple_heads"] * (f["h"] // f["ple_heads"]) * 2  # 16 rows of 128 bf16 a token
+    hyper = (2 * f["layers"] * (2 * f["lowrank"] * f["hc"] * f["h"] + f["hc"] * f["hc"] * f["h"] + f["hc"] * f["h"])
+             + 2 * f["lowrank"] * f["hc"] * f["h"] + f["hc"] * f["h"]) * 2  # 48 x 2 mixers with injection, the head's
+    assert w.decoder[HYPER] == hyper
+    # QSA: every pooled block key (16-bit), but of the q4 KV only a row's selection, 2,048 + 3 rows
+    read = f["budget"] + f["ratio"] - 1
+    exact = min(read, 132) * 2 * f["kv"] * 256 * 2
+    per_layer = (read - min(read, 132)) * kv_row_bytes(c, "q4") + exact + (context // f["ratio"] + f["ratio"]) * f["index_dim"] * 2
+    assert bill.kv_cache == round(12 * per_layer + 0.5)
+    assert bill.kv_cache < 0.15 * 12 * context * kv_row_bytes(c, "q4")  # against reading the whole q4 cache
+    assert 0 < plan.experts_on_card < 1 and plan.fits
+    print(f"\nFlash-Next (seed geometry, INT4): experts {w.decoder[EXPERTS] / GB:.2f} GB, {bill.decoder[EXPERTS] / GB:.2f} GB a "
+          f"token; n-gram table {table / GB:.2f} GB (bf16, host); the rest {(bill.decoder_weights - bill.decoder[EXPERTS] + bill.lm_head + w.embedding + w.rescoring_head) / GB:.2f} GB; "
+          f"{plan.experts_on_card:.0%} of experts on a 3090 at 100K q4; a pass reads {bill.total / GB:.2f} GB")
 
 
 def test_card_detection_never_imports_cupy_when_it_is_absent(monkeypatch):
