@@ -316,6 +316,9 @@ def gguf_architecture(src: Path, config: ModelConfig) -> str:
     if arch == "qwen3next" and dense:
         raise DuetError(f"{src / 'config.json'}: layers {dense} have a dense MLP (mlp_only_layers), but llama.cpp's "
                         "qwen3next has experts in every layer, so GGUF cannot hold this model; convert with --format int4")
+    if arch == "qwen4exp" and len(config.flash.ple_layers) > 1:
+        raise DuetError(f"{src / 'config.json'}: PLE on {len(config.flash.ple_layers)} layers, but llama.cpp's qwen4exp "
+                        "holds one n-gram table, so GGUF cannot hold this model; convert with --format int4")
     return arch
 
 
@@ -326,9 +329,11 @@ def write_gguf(src: Path, dst: Path, config: ModelConfig, ckpt: SafetensorsCheck
     import gguf
 
     qtype = gguf.GGMLQuantizationType[qtype_name]
-    tensors = gguf_tensors(config, arch, plan.has_mtp)
+    tensors = gguf_tensors(config, arch, plan.has_mtp, plan.ngram_rows)
     writer = gguf.GGUFWriter(str(dst), arch)
     write_gguf_metadata(writer, config, arch, src.name, qtype, plan.has_mtp)
+    if config.flash:
+        write_flash_next_metadata(writer, config, ckpt, plan)
     vocabulary.write(writer)
     kinds = [gguf_type(tensor, qtype) for tensor in tensors]
     for tensor, kind in zip(tensors, kinds):
@@ -390,6 +395,8 @@ class ModelTensors:
         name = self.plan.name(key)
         if name in self.ckpt:
             return self.ckpt.read_f32(name)
+        if key in self.plan.tables:  # Flash-Next's n-gram table: its shards, joined (GGUF holds it whole)
+            return np.concatenate([self.ckpt.read_f32(shard) for shard in self.plan.tables[key]])
         if key not in self.parts:
             self.parts = self._fused_parts(key)
         return self.parts[key]
@@ -442,6 +449,35 @@ def write_gguf_metadata(writer, config: ModelConfig, arch: str, name: str, qtype
         writer.add_rope_dimension_sections(MROPE_SECTIONS)
     if mtp_layers:
         writer.add_nextn_predict_layers(mtp_layers)
+
+
+def write_flash_next_metadata(writer, c: ModelConfig, ckpt: SafetensorsCheckpoint, plan: TensorPlan) -> None:
+    """qwen4exp's keys, as llama.cpp's converter writes them (conversion/qwen4exp.py): the hash constants
+    as uint64 arrays (a float32 tensor would round the multipliers), every block's compress ratio."""
+    import gguf
+
+    f, arch = c.flash, "qwen4exp"
+    writer.add_uint32(f"{arch}.hyper_connection.count", f.hc_count)
+    writer.add_uint32(f"{arch}.hyper_connection.low_rank", f.hc_lowrank)
+    writer.add_uint32(f"{arch}.attention.indexer.head_count", f.indexer_heads)
+    writer.add_uint32(f"{arch}.attention.indexer.key_length", f.indexer_head_dim)
+    writer.add_uint32(f"{arch}.attention.indexer.top_k", f.indexer_budget)
+    blocks = list(c.layer_types) + [FULL_ATTENTION] * (c.mtp_num_hidden_layers if plan.has_mtp else 0)
+    writer.add_array(f"{arch}.attention.compress_ratios",
+                     [f.indexer_compress_ratio if kind == FULL_ATTENTION else 0 for kind in blocks])
+    if not f.ple_layers:
+        return
+    writer.add_array(f"{arch}.ple.layers", list(f.ple_layers))
+    writer.add_uint32(f"{arch}.ple.ngram_size", f.ngram_size)
+    writer.add_uint32(f"{arch}.ple.heads_per_ngram", f.heads_per_ngram)
+    writer.add_uint32(f"{arch}.ple.conv_kernel", f.ple_conv_kernel)
+    writer.add_uint32(f"{arch}.ple.eos_token_id", c.eos_token_ids[0])
+    writer.add_uint32(f"{arch}.embedding_length_per_layer_input", f.ple_embed_dim // f.ngram_heads)
+    p = plan.name(f"layers.{f.ple_layers[0]}.ple.ple_embedding.")
+    for key, tensor in (("layer_multipliers", "layer_multipliers"), ("head_offsets", "ngram_heads_offsets"),
+                        ("head_vocab_sizes", "ngram_heads_vocab_sizes")):
+        writer.add_key_value(f"{arch}.ple.{key}", [int(v) for v in ckpt.read_ints(p + tensor)], gguf.GGUFValueType.ARRAY,
+                             sub_type=gguf.GGUFValueType.UINT64)  # add_array would take them for int32
 
 
 def _full_attention_interval(c: ModelConfig) -> int:

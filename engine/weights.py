@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from duet.engine.checkpoint.safetensors import bf16_to_f32, release_file_pages
 from duet.engine.config import ModelConfig
@@ -152,6 +153,20 @@ def stack_rows(run: list):
     for part in run:  # the copy is what the model keeps (gate | up, q | k | v | z ...)
         release_file_pages(part.raw)
     return stacked
+
+
+def take_columns(matrix, cols: slice):
+    """A contiguous run of a stored matrix's input columns: a view of float weights, the blocks that hold
+    it for GGUF blocks (the run must start and end on a block)."""
+    if isinstance(matrix, np.ndarray):
+        return matrix[:, cols]
+    if isinstance(matrix, BlockMatrix):
+        size, block = GGML_QUANT_SIZES[matrix.qtype]  # weights, bytes a block
+        if cols.start % size or cols.stop % size:
+            raise ValueError(f"columns {cols.start}:{cols.stop} cut a block of {size}")
+        return BlockMatrix(matrix.qtype, matrix.raw[:, cols.start // size * block : cols.stop // size * block],
+                           cols.stop - cols.start)
+    raise ValueError(f"cannot take columns of a {type(matrix).__name__}")
 
 
 def take_rows(matrix, rows: np.ndarray | slice):

@@ -20,13 +20,15 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from duet.engine.checkpoint.gguf_names import EOS_KEY, GGUFTensor, Link, check_architecture, gguf_config, gguf_tensors
+from duet.engine.checkpoint.gguf_names import (EOS_KEY, NGRAM_TABLE, GGUFTensor, Link, check_architecture, gguf_config,
+                                              gguf_tensors, ngram_constants)
 from duet.engine.checkpoint.headers import read_gguf_header
 from duet.engine.checkpoint.hf import checkpoint_name
 from duet.engine.checkpoint.safetensors import TensorInfo, bf16_to_f32
 from duet.engine.errors import CheckpointError
 from duet.engine.quant.gguf_blocks import CODECS, SUPPORTED_TYPES, BlockMatrix
 from duet.engine.tokenizer import Tokenizer
+from duet.engine.weights import same_storage, stack_rows
 
 QUANTIZED_ROUTES = ("w4a8", "bf16")  # the natural route first
 FLOAT_ROUTES = ("bf16",)
@@ -54,6 +56,7 @@ class Entry:
     nbytes: int
     quantized: bool
     load: Callable[[], object]
+    dtype: str = "F32"  # what the loaded tensor is: fp32 (or blocks, when quantized); I64 for hash constants
 
 
 class GGUFCheckpoint:
@@ -83,12 +86,20 @@ class GGUFCheckpoint:
 
     def info(self, name: str) -> TensorInfo:
         entry = self.entries[name]
-        return TensorInfo(name, "F32", entry.shape, 0, entry.nbytes)
+        return TensorInfo(name, entry.dtype, entry.shape, 0, entry.nbytes)
 
     def file_of(self, name: str) -> Path:
         return self.path
 
     def read_f32(self, name: str) -> np.ndarray:
+        return self.entries[name].load()
+
+    def read_ints(self, name: str) -> np.ndarray:
+        return self.entries[name].load()
+
+    def mapped(self, name: str):
+        """A table a model gathers rows from (Flash-Next's n-gram table): fp32 rows, or the file's
+        memory-mapped blocks, which a lookup dequantizes a row at a time."""
         return self.entries[name].load()
 
     def close(self) -> None:
@@ -208,18 +219,40 @@ class GGUFCheckpoint:
 
     def _entries(self) -> dict[str, Entry]:
         entries: dict[str, Entry] = {}
-        for tensor in gguf_tensors(self.config, self.arch, mtp=self.config.mtp_num_hidden_layers > 0):
+        pieces: dict[str, list[tuple[GGUFTensor, Link]]] = {}  # model tensors held by several GGUF tensors
+        ngram_rows = self._shape(NGRAM_TABLE)[0] if NGRAM_TABLE in self.tensors else 0
+        for tensor in gguf_tensors(self.config, self.arch, self.config.mtp_num_hidden_layers > 0, ngram_rows):
             self._check_shape(tensor)
             stored = self.tensors[tensor.name]
             quantized = not tensor.float32 and self.types[tensor.name] in CODECS
             for link in tensor.links:
+                if link.part_of is not None:
+                    pieces.setdefault(link.key, []).append((tensor, link))
+                    continue
                 entries[checkpoint_name(link.key)] = Entry(tensor.name, link.model_shape(tensor.shape),
                                                            stored.nbytes // len(tensor.links), quantized,
                                                            partial(self._load, tensor, link))
+        for key, parts in pieces.items():
+            parts.sort(key=lambda part: part[1].part_of.start)
+            shapes = [link.model_shape(tensor.shape) for tensor, link in parts]
+            entries[checkpoint_name(key)] = Entry(
+                " + ".join(tensor.name for tensor, _ in parts), (sum(shape[0] for shape in shapes), *shapes[0][1:]),
+                sum(self.tensors[tensor.name].nbytes for tensor, _ in parts),
+                all(self.types[tensor.name] in CODECS for tensor, _ in parts), partial(self._load_parts, parts))
+        for key, value in ngram_constants(self._metadata(), self.config, self.path).items():
+            entries[checkpoint_name(key)] = Entry("metadata", value.shape, value.nbytes, False, lambda v=value: v, "I64")
         return entries
 
     def _load(self, tensor: GGUFTensor, link: Link):
         return link.from_gguf(self._stored(tensor, link.expert))
+
+    def _load_parts(self, parts: list[tuple[GGUFTensor, Link]]):
+        """A model tensor stacked from the rows several GGUF tensors hold (index_qk_proj from indexer.q_proj
+        and indexer.k_proj): one stored matrix when the parts share a form, fp32 otherwise."""
+        loaded = [self._load(tensor, link) for tensor, link in parts]
+        if all(same_storage(loaded[0], part) for part in loaded[1:]):
+            return stack_rows(loaded)
+        return np.concatenate([part if isinstance(part, np.ndarray) else part.dequantize() for part in loaded])
 
 
 class QuantizedView:

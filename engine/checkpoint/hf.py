@@ -198,6 +198,12 @@ class TensorPlan:
         shards = [self.name(f"{e}ngram_embedding.shard_{j}.weight") for j in range(f.split_ngram_parts)]
         self.tables[table] = [whole] if whole in self.ckpt else shards
 
+    @property
+    def ngram_rows(self) -> int:
+        """Rows of the (first) n-gram table, its shards together; 0 without PLE."""
+        shards = next(iter(self.tables.values()), [])
+        return sum(self.ckpt.info(name).shape[0] for name in shards)
+
     def _check_tables(self) -> None:
         """The n-gram tables: every shard present, float, with the head width; hash constants integer."""
         f = self.config.flash

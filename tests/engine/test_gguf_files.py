@@ -8,6 +8,7 @@ so the reference runs with those weights rounded to f16 too.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -17,18 +18,27 @@ import pytest
 import torch
 
 from duet.app.cli import main
-from conftest import add_random_mtp_head, build_reference, moe_fields, randomize, save_reference, tiny_text_config
-from duet.engine import load_model
+from conftest import (add_random_flash_mtp_head, add_random_mtp_head, build_reference, moe_fields, randomize, save_reference,
+                      tiny_text_config)
+from duet.engine import GenerateOptions, Tokens, generate, load_model
 from duet.engine.checkpoint.gguf import GGUFCheckpoint
 from duet.engine.checkpoint.gguf_names import GGUF_ARCHITECTURE, gguf_tensors
 from duet.engine.checkpoint.headers import read_headers
 from duet.engine.checkpoint.hf import TensorPlan, read_weights
 from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
 from duet.engine.config import ModelConfig
-from duet.engine.weights import InputOrder
+from duet.engine.weights import InputOrder, ShardedRows
 
 DATA = Path(__file__).parent / "data"
 QWEN35_MTP, QWEN35MOE, QWEN3NEXT = "llamacpp_qwen35_mtp_f16.gguf", "llamacpp_qwen35moe_f16.gguf", "llamacpp_qwen3next_f16.gguf"
+QWEN4EXP = "llamacpp_qwen4exp_mtp_f16.gguf"
+
+
+def flash_next_reference(folder: Path):
+    """The Flash-Next model (one PLE layer, MTP) llamacpp_qwen4exp_mtp_f16.gguf was converted from."""
+    ref = build_reference("qwen4_exp_text", seed=21, ple_layer_ids=[2])
+    save_reference(ref, folder)
+    return ref, add_random_flash_mtp_head(folder, ref, seed=22)
 
 
 def qwen3_next_reference(seed: int):
@@ -42,7 +52,8 @@ def qwen3_next_reference(seed: int):
     return model.eval()
 
 
-KEPT_F32 = ("conv1d", "mlp.gate.weight", "shared_expert_gate")  # matrices the converter leaves in f32
+# matrices the converter leaves in f32 (Flash-Next's PLE conv is squeezed to 2-D and stored f16)
+KEPT_F32 = ("linear_attn.conv1d", "mlp.gate.weight", "shared_expert_gate")
 
 
 def round_matrices_to_f16(*modules) -> None:
@@ -63,11 +74,13 @@ def assert_close(ours, theirs, rel=2e-3):
     assert np.abs(ours - theirs).max() <= rel * np.abs(theirs).max()
 
 
-@pytest.fixture(scope="module", params=[QWEN35_MTP, QWEN35MOE, QWEN3NEXT])
+@pytest.fixture(scope="module", params=[QWEN35_MTP, QWEN35MOE, QWEN3NEXT, QWEN4EXP])
 def llamacpp(request, tmp_path_factory) -> tuple[Path, Path]:
     """A llama.cpp file and the HF folder it was converted from, rebuilt from its seeds (data/README.md)."""
     name, folder = request.param, tmp_path_factory.mktemp("source")
-    if name == QWEN35_MTP:
+    if name == QWEN4EXP:
+        flash_next_reference(folder)
+    elif name == QWEN35_MTP:
         ref = build_reference("qwen3_5_text", seed=21)
         save_reference(ref, folder)
         add_random_mtp_head(folder, ref, seed=22)
@@ -85,6 +98,8 @@ def source_tensors(folder: Path):
     ckpt.close()
 
     def tensor(key: str) -> np.ndarray:
+        if isinstance(tensors.get(key), ShardedRows):  # an n-gram table, its shards read whole
+            return tensors[key][np.arange(tensors[key].shape[0])]
         if key in tensors:
             return tensors[key]
         base, e, proj = re.fullmatch(r"(.*)\.experts\.(\d+)\.(gate|up|down)_proj\.weight", key).groups()
@@ -100,13 +115,14 @@ def test_the_name_table_names_exactly_the_tensors_llamacpp_wrote(llamacpp):
     path, source = llamacpp
     config = ModelConfig.from_file(source / "config.json")
     ckpt = SafetensorsCheckpoint(source)
-    mtp = TensorPlan(ckpt, config).has_mtp
+    plan = TensorPlan(ckpt, config)
+    mtp, ngram_rows = plan.has_mtp, plan.ngram_rows
     ckpt.close()
     reader = gguf.GGUFReader(path)
     arch = GGUF_ARCHITECTURE[config.model_type]
     assert arch == reader.fields["general.architecture"].contents()
     theirs = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-    assert {t.name: t.shape for t in gguf_tensors(config, arch, mtp)} == theirs
+    assert {t.name: t.shape for t in gguf_tensors(config, arch, mtp, ngram_rows)} == theirs
 
 
 def test_duet_convert_writes_what_llamacpp_wrote(llamacpp, tmp_path):
@@ -117,9 +133,18 @@ def test_duet_convert_writes_what_llamacpp_wrote(llamacpp, tmp_path):
     arch = theirs.fields["general.architecture"].contents()
 
     def keys(reader):
-        return {k: f.contents() for k, f in reader.fields.items() if k.startswith(arch + ".")}
+        return {k: (f.contents(), f.types) for k, f in reader.fields.items() if k.startswith(arch + ".")}
 
-    assert ours.fields["general.architecture"].contents() == arch and keys(ours) == keys(theirs)
+    ours_keys, their_keys = keys(ours), keys(theirs)
+    if arch == "qwen4exp":
+        # llama.cpp's converter compares transformers' parsed layer_types, which call QSA layers
+        # "indexed_attention", with "full_attention": it writes 0 for every trunk layer (its loader takes
+        # the one nonzero ratio for all QSA layers); we write each QSA layer's ratio.
+        ratios = "qwen4exp.attention.compress_ratios"
+        full = [i for i, kind in enumerate(ModelConfig.from_file(source / "config.json").layer_types) if kind == "full_attention"]
+        (mine, _), (real, _) = ours_keys.pop(ratios), their_keys.pop(ratios)
+        assert [0 if i in full else r for i, r in enumerate(mine)] == real and all(mine[i] == max(real) for i in full)
+    assert ours.fields["general.architecture"].contents() == arch and ours_keys == their_keys
     mine = {t.name: t for t in ours.tensors}
     assert sorted(mine) == sorted(t.name for t in theirs.tensors)
     for real in theirs.tensors:
@@ -136,13 +161,17 @@ def test_the_reader_gives_back_the_source_tensors(llamacpp):
     f32 tensors the source to rounding (w = (1 + w) - 1, A_log = log(exp(A_log)))."""
     path, source = llamacpp
     ckpt = GGUFCheckpoint(path)
-    assert set(ckpt.names()) == set(TensorPlan(ckpt, ckpt.config).expected)
+    plan = TensorPlan(ckpt, ckpt.config)
+    assert set(ckpt.names()) == {*plan.expected, *plan.integers, *(name for names in plan.tables.values() for name in names)}
     _, tensor = source_tensors(source)
     for name in ckpt.names():
         stored, expected = ckpt.read_f32(name), tensor(name.removeprefix("model."))
         if isinstance(stored, InputOrder):  # the file's inputs are the model's, gathered by order
             stored, expected = stored.weight, expected[:, stored.order]
-        if ckpt.types[ckpt.entries[name].source] == gguf.GGMLQuantizationType.F16:
+        sources = ckpt.entries[name].source.split(" + ")  # a model tensor some GGUF tensors hold parts of
+        if ckpt.entries[name].dtype == "I64":  # hash constants, from uint64 keys: exact
+            assert stored.dtype == np.int64 and np.array_equal(stored, expected), name
+        elif all(ckpt.types[source] == gguf.GGMLQuantizationType.F16 for source in sources):
             assert np.array_equal(stored, expected.astype(np.float16).astype(np.float32)), name
         else:
             np.testing.assert_allclose(stored, expected, rtol=0, atol=1e-6, err_msg=name)
@@ -156,6 +185,8 @@ def test_both_readers_make_one_config_and_qwen3next_reads_as_qwen3_5_moe(llamacp
     assert read_headers(str(path)).config == config
     model_type = ModelConfig.from_file(source / "config.json").model_type
     assert config.model_type == {"qwen3_next": "qwen3_5_moe_text"}.get(model_type, model_type)
+    assert config.flash == ModelConfig.from_file(source / "config.json").flash or \
+        config.flash == dataclasses.replace(ModelConfig.from_file(source / "config.json").flash, split_ngram_parts=1)
     assert not config.fused_linear_projections
 
 
@@ -210,3 +241,49 @@ def test_tokenizer_and_template_from_gguf_metadata(tmp_path):
     assert ours.encode(text) == original.encode(text)
     assert ours.eos_ids == original.eos_ids and ours.eos_token == "<|im_end|>"
     assert ours.decode(ours.encode(text)) == text
+
+
+@pytest.mark.usefixtures("stable_topk")  # QSA's tied block scores: the same pick on both sides
+def test_llamacpp_qwen4exp_file_with_mtp_matches_transformers(tmp_path):
+    """Flash-Next as llama.cpp writes it: hyper-connections, one PLE table, QSA, and the MTP head whose
+    eh_proj holds fc_embedding and fc_hidden side by side (its reference as in test_flash_next.py)."""
+    ref, parts = flash_next_reference(tmp_path)
+    round_matrices_to_f16(ref, *(parts[k] for k in ("fc_embedding", "fc_hidden", "layer", "mixer")))
+    lm = load_model(DATA / QWEN4EXP)
+    model = lm.model
+    ids = np.random.default_rng(4).integers(0, 300, 70)
+    ids[[20, 21, 50]] = 2  # <|im_end|>: the n-gram history stops there
+    hidden = model.forward(model.new_state(), ids)
+    assert_close(model.logits(hidden), logits(ref, ids))
+
+    seen = {}
+    hook = ref.model.hyper_connection_mixer.register_forward_hook(lambda module, args, out: seen.update(x=args[0]))
+    T, hc, H = len(ids) - 1, ref.config.hc_count, ref.config.hidden_size
+    with torch.no_grad():
+        logits(ref, ids)
+        e = parts["fc_embedding"](parts["norm_embedding"](ref.model.embed_tokens(torch.tensor(ids[1:])[None])))
+        h = parts["fc_hidden"](parts["norm_hidden"](seen["x"][:, :-1]).unflatten(-1, (hc, H)))
+        x = (h + e[:, :, None, :]).flatten(-2)
+        positions = torch.arange(1, T + 1)[None, None].expand(3, 1, T)
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        x = parts["layer"](x, position_embeddings=parts["rotary"](x, positions), attention_mask=mask)
+        expected = ref.lm_head(parts["mixer"](x))[0].numpy()
+    hook.remove()
+    assert_close(model.draft_logits(model.mtp_forward(model.new_mtp_state(), ids[1:], hidden[:-1])), expected)
+
+
+def test_a_qwen4exp_file_duet_writes_gives_the_sources_tokens(tmp_path):
+    """f32 holds the weights as they are: greedy with MTP drafts gives the HF folder's tokens exactly;
+    q8_0 loads on the w4a8 route, the MTP head's eh_proj read as two runs of its blocks."""
+    flash_next_reference(tmp_path / "source")
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 300, 40)]
+    options = GenerateOptions(max_tokens=24, draft="mtp")
+
+    def reply(path) -> list[int]:
+        return [t for event in generate(load_model(path), prompt, options) if isinstance(event, Tokens) for t in event.token_ids]
+
+    for fmt in ("gguf-f32", "gguf-q8_0"):
+        assert main(["convert", str(tmp_path / "source"), str(tmp_path / f"{fmt}.gguf"), "--format", fmt]) == 0
+    assert reply(tmp_path / "gguf-f32.gguf") == reply(tmp_path / "source")
+    q8 = load_model(tmp_path / "gguf-q8_0.gguf")
+    assert q8.route == "w4a8" and q8.model.mtp.fc_embedding.shape == (64, 64) and reply(tmp_path / "gguf-q8_0.gguf")

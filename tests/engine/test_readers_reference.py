@@ -522,7 +522,7 @@ def test_files_the_loader_refuses(tmp_path):
                              "the file is corrupt, download it again or convert it again")
     llama = rewrite(QWEN35_MTP, tmp_path / "llama.gguf", keys={"general.architecture": ("llama", gguf.GGUFValueType.STRING)})
     expect_refused(llama, "GGUF architecture 'llama' (key general.architecture) is not supported; "
-                          "duet reads qwen35, qwen35moe, qwen3next")
+                          "duet reads qwen35, qwen35moe, qwen3next, qwen4exp")
 
 
 def tokenizer_error(path: Path) -> str:
