@@ -3,7 +3,7 @@
     duet [--model M]                      the chat UI
     duet --headless PROMPT [options]      one prompt, text to stdout, stats to stderr
     duet bench decode --model DIR         benchmarks
-    duet models {list,pull,rm,info,import} the catalog, downloads and models on disk
+    duet models {list,pull,rm,info,census,import} the catalog, downloads and models on disk
     duet --paths                          where config, conversations and models live
     duet convert SRC DST --format F       a HF checkpoint to INT4 safetensors or GGUF
 
@@ -21,7 +21,7 @@ from duet.app.bench import BENCHMARKS, add_bench_commands
 from duet.app.catalog import find_local
 from duet.app.session import EngineChoices, Launch
 from duet.app.settings import Config, Paths, bundled_demo_model, load_config, user_paths
-from duet.engine import Accept, Draft, DuetError, KVCache, Route
+from duet.engine import Accept, Draft, DuetError, KVCache, Route, check_moe_skip
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -98,7 +98,7 @@ def main_parser() -> OneLineParser:
         prog="duet",
         description="Chat with Qwen3.5-family models. Without --headless, opens the chat UI.",
         # One command a line, as written: argparse's wrapping would break a name at its hyphen.
-        epilog="Also:\n  duet models {list,pull,rm,info,import}\n  duet convert SRC DST --format FORMAT\n"
+        epilog="Also:\n  duet models {list,pull,rm,info,census,import}\n  duet convert SRC DST --format FORMAT\n"
                f"  duet bench {{{','.join(b.name for b in BENCHMARKS)}}}\n(each with --help)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -121,6 +121,9 @@ def main_parser() -> OneLineParser:
                         help="rank the vocabulary with an int4 copy of the head and rescore the best 64 with the "
                              "bf16 rows, as on a card whose bf16 tables live in host memory: greedy ids unchanged, "
                              "sampling limited to those 64")
+    parser.add_argument("--moe-skip", type=float, default=0.0, metavar="BUDGET",
+                        help="MoE, lossy: skip off-card experts of a row within this share of its router weight, "
+                             "its first five routes kept (llamAmpere's --moe-skip; needs --accept lossy)")
     parser.add_argument("--draft", **choice(Draft), default=Draft.AUTO,
                         help="drafter: auto uses the MTP head when the checkpoint has one, else n-gram lookup")
     parser.add_argument("--depth", default="auto",
@@ -137,8 +140,10 @@ def main_parser() -> OneLineParser:
 
 
 def engine_choices(args: argparse.Namespace) -> EngineChoices:
-    """The engine choices of `duet` and `duet --headless` (`--draft`, `--depth`, `--kv`, `--host-tables`)."""
-    return EngineChoices(args.draft, parse_depth(args.depth), args.kv, args.host_tables)
+    """The engine choices of `duet` and `duet --headless` (`--draft`, `--depth`, `--kv`, `--host-tables`,
+    `--moe-skip`)."""
+    check_moe_skip(args.moe_skip, args.accept)
+    return EngineChoices(args.draft, parse_depth(args.depth), args.kv, args.host_tables, args.moe_skip)
 
 
 def parse_depth(value: str) -> int | None:

@@ -1,4 +1,4 @@
-"""`duet models {list,pull,rm,info,import}`: the models screen's work without the UI."""
+"""`duet models {list,pull,rm,info,census,import}`: the models screen's work without the UI."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from duet.app.arguments import RENAMED_KV, choice
 from duet.app.downloads import DownloadProgress, download_model, remote_model
 from duet.app.models_info import info_json, info_lines, plan_model
 from duet.app.settings import user_paths
-from duet.engine import DuetError, KVCache
+from duet.engine import DuetError, KVCache, load_model
+from duet.engine.experts import census_path, save_census, take_census
 from duet.engine.placement import DEFAULT_ETA, RTX_3090, Card, GiB, detect_card
 
 EXIT_INTERRUPTED = 130
@@ -39,6 +40,11 @@ def add_models_commands(parser: argparse.ArgumentParser) -> None:
     info.add_argument("--json", action="store_true", help="print one JSON object with every figure")
     add_plan_arguments(info)
     info.set_defaults(run=run_info)
+    census = commands.add_parser("census", help="count a MoE model's expert routes over a text, saved beside the "
+                                                "model: which experts its card holds from the next load on")
+    census.add_argument("name", help="a model folder or GGUF file, or a name from duet models list")
+    census.add_argument("--text", required=True, help="a text file to count over: your chats, or a calibration text")
+    census.set_defaults(run=run_census)
     importing = commands.add_parser("import", help="check a model folder, then add it to duet's models")
     importing.add_argument("path", help="a model folder (config.json, tokenizer, safetensors)")
     importing.add_argument("--name", help="name in the models dir (default: the folder's name)")
@@ -106,6 +112,30 @@ def run_info(args: argparse.Namespace) -> int:
     if "/" in args.name:
         return run_model_info(args.name, args)
     raise DuetError(f"{args.name}: not a model folder or file, a model on disk, a catalog name or a hub repo id")
+
+
+def run_census(args: argparse.Namespace) -> int:
+    path = Path(args.name).expanduser()
+    if not path.exists():
+        model = find_local(args.name, user_paths().models_dir)
+        if model is None:
+            raise DuetError(f"{args.name}: not a model folder or file, or a model on disk (duet models list)")
+        path = model.path
+    text_path = Path(args.text).expanduser()
+    try:
+        text = text_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise DuetError(f"{text_path}: cannot read it as UTF-8 text ({error.__class__.__name__}); give a text file") from None
+    lm = load_model(path)
+    if not lm.config.is_moe:
+        raise DuetError(f"{path}: not a mixture-of-experts model; a census counts routed experts")
+    counts, tokens = take_census(lm, lm.tokenizer.encode(text))
+    where = census_path(lm.path)
+    save_census(where, counts, tokens)
+    routing = lm.place_experts()
+    print(f"census of {tokens:,} tokens saved to {where}; {routing.share_on_card:.0%} of the routed experts on the card, "
+          f"which took {counts[routing.on_card].sum() / max(1, counts.sum()):.1%} of the routes")
+    return 0
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:

@@ -58,30 +58,28 @@ class Readout:
     acceptance_rate: float | None = None  # None when nothing was drafted
     accept_by_position: tuple[float, ...] = ()
     n_lossy: int = 0
+    expert_hit_rate: float | None = None  # MoE: routes to experts on the card (None: not a MoE)
+    host_bytes_per_token: float = 0.0  # expert bytes a token read from host RAM
+    n_skipped: int = 0  # routes --moe-skip skipped
 
     @classmethod
     def of(cls, stats: Stats, recent_tok_s: float, first_token_s: float | None) -> Readout:
-        figures = stats.to_dict()
-        return cls(
-            prompt_tokens=figures["prompt_tokens"], generated_tokens=figures["generated_tokens"],
-            prefill_tok_s=figures["prefill_tok_s"], decode_tok_s=figures["decode_tok_s"],
-            recent_tok_s=recent_tok_s, first_token_s=first_token_s,
-            tokens_per_cycle=figures["tokens_per_cycle"], drafted=figures["drafted"],
-            acceptance_rate=figures["acceptance_rate"] if figures["drafted"] else None,
-            accept_by_position=tuple(figures["accept_by_position"]), n_lossy=figures["n_lossy"],
-        )
+        return cls.of_saved(stats.to_dict(), recent_tok_s, first_token_s)
 
     @classmethod
-    def of_saved(cls, stats: dict) -> Readout:
-        """The readout of a saved reply (its stats JSON)."""
+    def of_saved(cls, stats: dict, recent_tok_s: float | None = None, first_token_s: float | None = None) -> Readout:
+        """The readout of running stats (Stats.to_dict) or of a saved reply's stats JSON."""
         drafted = stats.get("drafted", 0)
         return cls(
             prompt_tokens=stats.get("prompt_tokens", 0), generated_tokens=stats.get("generated_tokens", 0),
             prefill_tok_s=stats.get("prefill_tok_s", 0.0), decode_tok_s=stats.get("decode_tok_s", 0.0),
-            recent_tok_s=stats.get("decode_tok_s", 0.0), first_token_s=stats.get("first_token_s"),
+            recent_tok_s=stats.get("decode_tok_s", 0.0) if recent_tok_s is None else recent_tok_s,
+            first_token_s=stats.get("first_token_s") if first_token_s is None else first_token_s,
             tokens_per_cycle=stats.get("tokens_per_cycle", 0.0), drafted=drafted,
             acceptance_rate=stats.get("acceptance_rate") if drafted else None,
             accept_by_position=tuple(stats.get("accept_by_position", ())), n_lossy=stats.get("n_lossy", 0),
+            expert_hit_rate=stats.get("expert_hit_rate"), host_bytes_per_token=stats.get("host_bytes_per_token", 0.0),
+            n_skipped=stats.get("n_skipped", 0),
         )
 
 
@@ -210,12 +208,14 @@ class ChatSession:
 
 @dataclass(frozen=True)
 class EngineChoices:
-    """What the command line chose for the engine this run (`--draft`, `--depth`, `--kv`, `--host-tables`)."""
+    """What the command line chose for the engine this run (`--draft`, `--depth`, `--kv`, `--host-tables`,
+    `--moe-skip`)."""
 
     draft: Draft = Draft.AUTO
     depth: int | None = None
     kv: KVCache = KVCache.BF16
     host_tables: bool = False
+    moe_skip: float = 0.0  # lossy: skipped in exact replies (engine/experts.py)
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,8 @@ def sampling_params(settings: ReplySettings) -> SamplingParams:
 def reply_options(settings: ReplySettings, context: int | None, choices: EngineChoices, accept: Accept) -> GenerateOptions:
     """Engine options for a reply from the user's settings and this run's engine choices."""
     return GenerateOptions(max_tokens=settings.max_tokens, sampling=sampling_params(settings), context=context,
-                           draft=choices.draft, depth=choices.depth, kv=choices.kv, accept=accept)
+                           draft=choices.draft, depth=choices.depth, kv=choices.kv, accept=accept,
+                           moe_skip=choices.moe_skip if accept == Accept.LOSSY else 0.0)
 
 
 class EngineHost:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from duet.engine.choices import KVCache
 from duet.engine.errors import DuetError
+from duet.engine.experts import check_moe_skip
 from duet.engine.loader import LoadedModel
 from duet.engine.sampling import Sampler, SamplingParams, process_rows
 from duet.engine.speculative import EXACT, Depth, accept, check_rule, make_drafter
@@ -30,6 +31,7 @@ class GenerateOptions:
     depth: int | None = None  # drafts per cycle; None: adaptive
     accept: str = EXACT  # exact or lossy; the starting value of Switches.accept
     kv: KVCache = KVCache.BF16  # attention KV cache: unquantized, or q4 (Hadamard-rotated 4-bit, exact sink/recent)
+    moe_skip: float = 0.0  # MoE: router weight of off-card routes a row may skip, lossy cycles only (engine/experts.py)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -37,6 +39,7 @@ class GenerateOptions:
         if self.context is not None and self.context < 2:
             raise DuetError(f"context must be at least 2 tokens (got {self.context})")
         check_rule(self.accept)
+        check_moe_skip(self.moe_skip, self.accept)
         runnable = [kv for kv in KVCache if kv.runs]
         if self.kv not in runnable:
             raise DuetError(f"KV cache type {self.kv!r} cannot run; choose {' or '.join(runnable)}")
@@ -64,6 +67,11 @@ class Stats:
     rules: list[str] = field(default_factory=list)  # likewise the acceptance rules of the cycles
     drafted_at: list[int] = field(default_factory=list)  # per draft position: how often drafted
     accepted_at: list[int] = field(default_factory=list)  # ... and how often kept
+    # MoE, over the decode passes: routes to experts on the card, routes run from host RAM, routes skipped
+    expert_hits: int = 0
+    expert_misses: int = 0
+    n_skipped: int = 0
+    host_expert_bytes: int = 0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -92,6 +100,22 @@ class Stats:
     def lossy_rate(self) -> float:
         """Extra acceptances the lossy rule made, per draft: the drift it opened from the target."""
         return self.n_lossy / self.drafted if self.drafted else 0.0
+
+    @property
+    def expert_hit_rate(self) -> float:
+        routes = self.expert_hits + self.expert_misses
+        return self.expert_hits / routes if routes else 0.0
+
+    @property
+    def host_bytes_per_token(self) -> float:
+        """Expert bytes the decode passes read from host RAM, per token they committed."""
+        after_first = self.generated_tokens - 1
+        return self.host_expert_bytes / after_first if after_first > 0 else 0.0
+
+    def record_routes(self, routing) -> None:
+        """The expert routing's counts since the decode began (engine/experts.py)."""
+        self.expert_hits, self.expert_misses, self.n_skipped = routing.hits, routing.misses, routing.skipped
+        self.host_expert_bytes = routing.misses * routing.expert_bytes
 
     def record_cycle(self, drafted: int, accepted: int, lossy: int) -> None:
         self.cycles += 1
@@ -122,7 +146,8 @@ class Stats:
             "mean_depth": round(self.drafted / self.cycles, 3) if self.cycles else 0.0,
             "routes": list(self.routes),
             "rules": list(self.rules),
-        }
+        } | ({"expert_hit_rate": round(self.expert_hit_rate, 4), "host_bytes_per_token": round(self.host_bytes_per_token),
+              "n_skipped": self.n_skipped} if self.expert_hits + self.expert_misses + self.n_skipped else {})
 
     def ran(self, route: str, rule: str | None = None) -> None:
         """Note the route (and rule) of a pass when it differs from the previous pass's."""
@@ -205,8 +230,15 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
             lm.use_route(switches.route)
         return lm.route
 
+    routing = model.routing
+
+    def skip_under(rule: str) -> None:  # --moe-skip is lossy: it runs in lossy cycles only
+        if routing is not None:
+            routing.skip_budget = options.moe_skip if rule != EXACT else 0.0
+
     started = time.perf_counter()
     stats.ran(apply_route())
+    skip_under(check_rule(switches.accept))
     hidden = model.forward(state, prompt_ids, last_only=not drafter.reads_prompt_hidden)
     first = sampler.pick(model.logits(hidden[-1:])[0], generated)
     stats.prefill_seconds = time.perf_counter() - started
@@ -216,10 +248,13 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
         yield Finished(reason, stats, drafter.name)
         return
     drafter.start(prompt_ids, hidden, first)
+    if routing is not None:
+        routing.reset_counts()  # the figures are the decode's: the prompt is read once
     decode_started = time.perf_counter()
     while True:
         rule, route = check_rule(switches.accept), apply_route()
         stats.ran(route, rule)
+        skip_under(rule)
         room = min(options.max_tokens - len(generated), budget - state.length - 1) - 1
         draft = drafter.propose(history, max(0, min(depth.current, room)), sampler)
         rows = [generated[-1]] + draft.tokens
@@ -231,6 +266,8 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
         drafter.commit(committed, hidden[: verdict.accepted + 1])
         depth.update(len(draft.tokens), verdict.accepted)
         stats.record_cycle(len(draft.tokens), verdict.accepted, verdict.lossy)
+        if routing is not None:
+            stats.record_routes(routing)
         event, reason = emit(committed, Cycle(len(draft.tokens), verdict.accepted, verdict.lossy, rule, route))
         stats.decode_seconds = time.perf_counter() - decode_started
         yield event

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from duet.engine.assemble import assemble
 from duet.engine.backend import compiled
 from duet.engine.backend.select import backend_name, gpu_geometry_problem
@@ -20,6 +22,7 @@ from duet.engine.checkpoint.trellis_files import read_trellis
 from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
 from duet.engine.config import ModelConfig
 from duet.engine.errors import CheckpointError, DuetError
+from duet.engine.experts import ExpertRouting, census_path, experts_on_card, load_census
 from duet.engine.model import Model
 from duet.engine.tokenizer import Tokenizer
 from duet.engine.weights import ModelWeights
@@ -49,6 +52,29 @@ class LoadedModel:
     routes: tuple[str, ...] = ()  # every route this checkpoint can run, the natural one first
     weights: ModelWeights | None = field(default=None, repr=False)  # kept when there is another route to build
     host_tables: bool = False  # the head ranks with an int4 copy and rescores with bf16 rows (engine/heads.py)
+    expert_bytes: int = 0  # one routed expert of one layer, as stored (0: not a MoE)
+
+    @property
+    def routed_experts(self) -> int:
+        return sum(self.config.moe_layers) * self.config.num_experts
+
+    def place_experts(self, on_card: int | None = None) -> ExpertRouting:
+        """Put `on_card` routed experts on the card (by the census beside the model, if any; engine/
+        experts.py) and count every pass's routes from now on. None: as many as the plan of this
+        machine's card (an RTX 3090 without one) fits at a q4 cache of the model's longest context."""
+        c = self.config
+        if on_card is None:
+            from duet.engine.checkpoint.headers import read_headers
+            from duet.engine.placement import RTX_3090, assess, detect_card
+
+            share = assess(read_headers(str(self.path)), detect_card() or RTX_3090, kv="q4").plan.experts_on_card
+            on_card = round((1.0 if share is None else share) * self.routed_experts)
+        layers = len(c.moe_layers)
+        census = load_census(census_path(self.path), layers, c.num_experts)
+        routing = ExpertRouting(experts_on_card(census, layers, c.num_experts, on_card) & np.array(c.moe_layers)[:, None],
+                                self.expert_bytes)
+        self.model.use_routing(routing)
+        return routing
 
     def use_route(self, route: str) -> None:
         """Run the next forward pass on another route of the same weights, without reading files again.
@@ -89,9 +115,22 @@ def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None
     model = assemble_on(weights, chosen, host_tables, chosen_backend, opened.location)
     if chosen_backend == "cpu":
         compiled.compile_kernels(progress and (lambda done, total: progress(LoadProgress(done, total, LoadProgress.KERNELS))))
-    return LoadedModel(opened.name, opened.location, opened.config, model,
-                       opened.tokenizer, route=chosen, routes=opened.routes,
-                       weights=weights if len(opened.routes) > 1 else None, host_tables=host_tables)
+    lm = LoadedModel(opened.name, opened.location, opened.config, model,
+                     opened.tokenizer, route=chosen, routes=opened.routes,
+                     weights=weights if len(opened.routes) > 1 else None, host_tables=host_tables,
+                     expert_bytes=_expert_bytes(weights))
+    if opened.config.is_moe:
+        lm.place_experts()
+    return lm
+
+
+def _expert_bytes(weights: ModelWeights) -> int:
+    """One routed expert of one layer as stored, averaged over the trunk's experts."""
+    c = weights.config
+    parts = [(key, value) for key, value in weights.tensors.items() if key.startswith("layers.") and ".mlp.experts." in key]
+    if not parts:
+        return 0
+    return sum(value.nbytes for _, value in parts) // (sum(c.moe_layers) * c.num_experts)
 
 
 BACKEND_ENV = "DUET_BACKEND"  # cpu or cupy forces a backend; unset or auto: cupy where a GPU and CuPy are

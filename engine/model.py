@@ -104,13 +104,17 @@ class MoE:
     top_k: int
     normalize: bool
     ops: object = CPU
+    layer: int = 0  # its layer, for the expert routing (engine/experts.py) it reports to
+    routing: object = None  # ExpertRouting: counts hits and misses, applies --moe-skip; None: nothing to count
 
     def __call__(self, x):
         probs = softmax(self.ops.to_host(self.router(x)), axis=-1)  # [T, E]
-        chosen = np.argsort(-probs, axis=-1, kind="stable")[:, : self.top_k]  # [T, k]
+        chosen = np.argsort(-probs, axis=-1, kind="stable")[:, : self.top_k]  # [T, k], falling weight
         weights = np.take_along_axis(probs, chosen, axis=-1)
         if self.normalize:
             weights = weights / weights.sum(axis=-1, keepdims=True)
+        if self.routing is not None:
+            weights = self.routing.route(self.layer, chosen, weights)
         out = self.ops.sigmoid(self.shared_gate(x)) * self.shared(x)
         for expert in np.unique(chosen):
             rows, slot = np.nonzero(chosen == expert)  # each row picks an expert at most once
@@ -160,7 +164,15 @@ class Model:
         self.lm_head = lm_head  # Linear [V, H], or a head of engine/heads.py
         self.mtp = mtp
         self.draft_head = draft_head  # logits over the draft shortlist (engine/heads.py); None: lm_head
+        self.routing = None  # engine/experts.ExpertRouting of a MoE model's experts, once placed
         threads.start()
+
+    def use_routing(self, routing) -> None:
+        """Let every MoE layer report its routes to `routing` (engine/experts.py); None: to nothing."""
+        self.routing = routing
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.ffn, MoE):
+                layer.ffn.layer, layer.ffn.routing = i, routing
 
     def drop_weights(self) -> None:
         """Let go of the layers and heads before another route's are assembled, so memory (the card's,
@@ -177,6 +189,7 @@ class Model:
             raise ValueError("take_weights needs a Model of the same checkpoint")
         self.embed, self.layers, self.norm = other.embed, other.layers, other.norm
         self.lm_head, self.mtp, self.draft_head = other.lm_head, other.mtp, other.draft_head
+        self.use_routing(self.routing)
         self.ops.weights_taken()
 
     def new_state(self, kv: str = KVCache.BF16):

@@ -503,6 +503,8 @@ def max_context(weights: Weights, c: ModelConfig, card: Card, kv: str, host_tabl
     room = card.vram - fixed - kv_cache_bytes(c, kv, 0, layers)
     if room < 0:
         return 0
+    if not layers:  # no attention layer: nothing grows with the context
+        return c.max_position_embeddings
     return min(c.max_position_embeddings, int(room // (layers * kv_token_bytes(c, kv))))
 
 

@@ -105,6 +105,19 @@ def build_reference(kind: str, tie: bool = False, seed: int = 0, **overrides):
     return model.eval()
 
 
+def run_generate(lm, prompt, options, drafter=None):
+    """generate() to its end: (every token, the Finished event)."""
+    from duet.engine import Tokens, generate
+
+    tokens, finished = [], None
+    for event in generate(lm, prompt, options, drafter=drafter):
+        if isinstance(event, Tokens):
+            tokens.extend(event.token_ids)
+        else:
+            finished = event
+    return tokens, finished
+
+
 def split_fused_experts(model_dir: Path) -> None:
     """Rewrite fused `experts.gate_up_proj`/`down_proj` as per-expert tensors, as hub checkpoints store them."""
     from safetensors.numpy import load_file, save_file

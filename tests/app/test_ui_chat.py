@@ -148,6 +148,7 @@ async def test_send_streams_a_reply_and_saves_both_messages(make_app):
         assert reply.stats["generated_tokens"] > 0 and "decode_tok_s" in reply.stats
         assert "tok/s" in views[1].border_title
         assert "tok/s" in str(screen.query_one("#figures").render())
+        assert "experts" not in str(screen.query_one("#figures").render())  # not a MoE model
         titles = [str(item.query_one(Label).render()) for item in screen.query_one(ConversationList).children]
         assert titles == ["the quick brown fox"]
         used = screen.session.context_used()
@@ -190,6 +191,19 @@ class PacedEngine:
                 return
             self.allow(1)
         raise AssertionError("the reply showed no text in 100 cycles")
+
+
+async def test_a_moe_models_readout_says_where_its_experts_came_from(make_app, tmp_path):
+    """The readout panel adds the expert figures (engine/experts.py) for a MoE model, and only for one."""
+    from conftest import build_reference, save_reference
+
+    moe = save_reference(build_reference("qwen4_exp_text", seed=6), tmp_path / "flash")
+    app = make_app(model=moe)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await send(pilot, "the quick brown fox")
+        figures = str(screen.query_one("#figures").render())
+        assert "experts on card  100% of routes" in figures and "0.00 MB/token" in figures
+        assert saved_messages(app)[-1].stats["expert_hit_rate"] == 1.0
 
 
 async def test_keys_work_while_a_reply_streams_and_esc_stops_it(make_app, endless_model, monkeypatch):
@@ -343,8 +357,7 @@ async def test_context_meter_warns_and_the_limit_asks_what_to_drop(make_app):
         long_text = "in light " * 30
         screen.query_one("#prompt", Input).value = long_text
         await pilot.press("enter")
-        await pilot.pause()
-        assert isinstance(app.screen, ContextFullChoice)
+        await wait_for(pilot, lambda: isinstance(app.screen, ContextFullChoice))  # one pause was not always enough
         await pilot.click("#drop")
         await wait_for(pilot, lambda: replies_shown(screen) == 3 and not screen.streaming)
         messages = saved_messages(app)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import add_random_flash_mtp_head, build_reference, save_reference
-from duet.engine import DuetError, GenerateOptions, Tokens, generate, load_model
+from conftest import run_generate as run
+from duet.engine import DuetError, GenerateOptions, load_model
 from duet.engine.backend import select
 from duet.engine.config import ModelConfig
 from duet.engine.errors import CheckpointError
@@ -95,16 +96,6 @@ def test_mtp_head_matches_a_reference_built_from_transformers_layers(tmp_path):
     steps = [model.draft_logits(model.mtp_forward(state, ids[i + 1 : i + 2], main[i : i + 1]))[0]
              for i in range(59, T)]
     logits_close(np.concatenate([prefill, np.stack(steps)]), expected)
-
-
-def run(lm, prompt, options):
-    tokens, finished = [], None
-    for event in generate(lm, prompt, options):
-        if isinstance(event, Tokens):
-            tokens.extend(event.token_ids)
-        else:
-            finished = event
-    return tokens, finished
 
 
 def test_greedy_replies_with_mtp_ngram_and_no_drafts_are_transformers_reply(tmp_path):

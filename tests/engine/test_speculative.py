@@ -8,20 +8,11 @@ import numpy as np
 import pytest
 
 from conftest import build_reference, save_reference
+from conftest import run_generate as run
 from duet.engine import GenerateOptions, SamplingParams, Tokens, generate, load_model
 from duet.engine.cache import IndexedKVCache, KVCache, WithPLE
 from duet.engine.sampling import Sampler
 from duet.engine.speculative import LOSSY, Draft, MTPDrafter, NoDrafter, accept
-
-
-def run(lm, prompt, options, drafter=None):
-    tokens, finished = [], None
-    for event in generate(lm, prompt, options, drafter=drafter):
-        if isinstance(event, Tokens):
-            tokens.extend(event.token_ids)
-        else:
-            finished = event
-    return tokens, finished
 
 
 class OracleDrafter(NoDrafter):

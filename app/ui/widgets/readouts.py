@@ -24,7 +24,11 @@ def readout_rows(readout: Readout) -> list[tuple[str, str]]:
         ("acceptance", f"{readout.acceptance_rate:.0%}" if readout.acceptance_rate is not None else NOTHING),
         ("by position", by_position if readout.drafted else NOTHING),
         ("lossy kept", str(readout.n_lossy) if readout.drafted else NOTHING),
-    ]
+    ] + ([  # a MoE model: where its experts' bytes came from (engine/experts.py)
+        ("experts on card", f"{readout.expert_hit_rate:.0%} of routes"),
+        ("from RAM", f"{readout.host_bytes_per_token / 1e6:.2f} MB/token"),
+        ("moe-skip", f"{readout.n_skipped} skipped"),
+    ] if readout.expert_hit_rate is not None else [])
 
 
 class Readouts(Vertical):
