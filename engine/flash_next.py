@@ -68,7 +68,7 @@ class NGramHash:
     offset_j + (XOR over i < n of c_i * multiplier_i) mod size_j, where c_0 is the token and c_i the
     one i back, or EOS when that is before the sequence or across an EOS (sizes are primes)."""
 
-    table: ShardedRows  # [rows, D]
+    table: ShardedRows  # [rows, D]: HF shards, or a GGUF file's one table (fp32 or its blocks)
     multipliers: np.ndarray  # int64 [N]
     sizes: np.ndarray  # int64 [heads], heads = (N - 1) * heads_per_ngram
     offsets: np.ndarray  # int64 [heads]

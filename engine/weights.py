@@ -67,13 +67,13 @@ class ShardedRows:
     of the memory-mapped files: a lookup gathers its rows from the page cache. Never read whole and
     never concatenated: Flash-Next's n-gram tables are tens of GB and a token reads a few rows."""
 
-    shards: tuple[np.ndarray, ...]  # [rows_j, D] each: fp32 or fp16 values, or bf16 bits (uint16)
+    shards: tuple  # [rows_j, D] each: fp32 or fp16 values, bf16 bits (uint16), or a GGUF file's blocks
     bf16: bool
 
     @property
     def starts(self) -> np.ndarray:
         """First row of each shard, then the row count."""
-        return np.concatenate([[0], np.cumsum([len(shard) for shard in self.shards])])
+        return np.concatenate([[0], np.cumsum([shard.shape[0] for shard in self.shards])])
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -221,3 +221,18 @@ def test_a_converted_int4_file_keeps_the_tables_and_constants_and_runs(tmp_path)
     for route in ("w4a16", "w4a8"):  # numerics: test_route_references.py
         tokens, finished = run(load_model(tmp_path / "int4", route=route), [5, 6, 7, 8, 9] * 4, GenerateOptions(max_tokens=8))
         assert len(tokens) == 8 and finished.stats.routes == [route]
+
+
+def test_a_quantized_ngram_table_gathers_the_rows_gguf_dequantizes():
+    """A GGUF table in blocks (the seed's is 28.8 GB quantized) stays blocks; a lookup dequantizes the rows it reads."""
+    import gguf
+
+    from duet.engine.quant.gguf_blocks import BlockMatrix
+    from duet.engine.weights import ShardedRows
+
+    rows = np.random.default_rng(0).standard_normal((100, 64)).astype(np.float32)
+    blocks = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q8_0)
+    table = ShardedRows((BlockMatrix(gguf.GGMLQuantizationType.Q8_0, blocks, 64),), bf16=False)
+    ids = np.array([[3, 99], [0, 42]])
+    assert table.shape == (100, 64)
+    assert np.array_equal(table[ids], gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)[ids])
