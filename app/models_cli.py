@@ -15,6 +15,7 @@ from duet.app.arguments import RENAMED_KV, choice
 from duet.app.downloads import DownloadProgress, download_model, remote_model
 from duet.app.models_info import info_json, info_lines, plan_model
 from duet.app.settings import user_paths
+from duet.app.store import Store
 from duet.engine import DuetError, KVCache, load_model
 from duet.engine.experts import census_path, save_census, take_census
 from duet.engine.placement import DEFAULT_ETA, RTX_3090, Card, GiB, detect_card
@@ -43,7 +44,9 @@ def add_models_commands(parser: argparse.ArgumentParser) -> None:
     census = commands.add_parser("census", help="count a MoE model's expert routes over a text, saved beside the "
                                                 "model: which experts its card holds from the next load on")
     census.add_argument("name", help="a model folder or GGUF file, or a name from duet models list")
-    census.add_argument("--text", required=True, help="a text file to count over: your chats, or a calibration text")
+    source = census.add_mutually_exclusive_group(required=True)
+    source.add_argument("--text", help="a text file to count over (a calibration text)")
+    source.add_argument("--chats", action="store_true", help="count over your saved conversations, as the model saw them")
     census.set_defaults(run=run_census)
     importing = commands.add_parser("import", help="check a model folder, then add it to duet's models")
     importing.add_argument("path", help="a model folder (config.json, tokenizer, safetensors)")
@@ -121,21 +124,40 @@ def run_census(args: argparse.Namespace) -> int:
         if model is None:
             raise DuetError(f"{args.name}: not a model folder or file, or a model on disk (duet models list)")
         path = model.path
-    text_path = Path(args.text).expanduser()
-    try:
-        text = text_path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise DuetError(f"{text_path}: cannot read it as UTF-8 text ({error.__class__.__name__}); give a text file") from None
+    text = None if args.chats else _read_text(Path(args.text).expanduser())
     lm = load_model(path)
     if not lm.config.is_moe:
         raise DuetError(f"{path}: not a mixture-of-experts model; a census counts routed experts")
-    counts, tokens = take_census(lm, lm.tokenizer.encode(text))
+    counts, tokens = take_census(lm, lm.tokenizer.encode(text) if text is not None else _chat_tokens(lm.tokenizer))
     where = census_path(lm.path)
     save_census(where, counts, tokens)
     routing = lm.place_experts()
     print(f"census of {tokens:,} tokens saved to {where}; {routing.share_on_card:.0%} of the routed experts on the card, "
           f"which took {counts[routing.on_card].sum() / max(1, counts.sum()):.1%} of the routes")
     return 0
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise DuetError(f"{path}: cannot read it as UTF-8 text ({error.__class__.__name__}); give a text file") from None
+
+
+def _chat_tokens(tokenizer) -> list[int]:
+    """Every saved conversation rendered with the model's chat template, one after another."""
+    paths = user_paths()
+    if not paths.database.exists():
+        raise DuetError(f"{paths.database}: no saved conversations yet; chat first, or pass --text FILE")
+    store = Store(paths.database)
+    try:
+        ids = []
+        for conversation in store.conversations():
+            messages = [{"role": m.role, "content": m.content} for m in store.messages(conversation.id)]
+            ids += tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=False)) if messages else []
+    finally:
+        store.close()
+    return ids
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:

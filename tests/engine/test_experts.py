@@ -150,3 +150,30 @@ def test_moe_skip_is_lossy_counted_and_refused_under_exact(moe, capsys):
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def test_a_census_of_the_users_own_chats(moe, tmp_path, monkeypatch):
+    """`--chats`: every saved conversation, rendered with the model's chat template, is what it counts."""
+    from duet.app.settings import user_paths
+    from duet.app.store import Store
+
+    ref, path = moe
+    monkeypatch.setenv("DUET_HOME", str(tmp_path / "home"))
+    paths = user_paths()
+    paths.database.parent.mkdir(parents=True, exist_ok=True)
+    store = Store(paths.database)
+    chat = [("user", "the quick brown fox"), ("assistant", "jumps over the lazy dog")]
+    conversation = store.create_conversation("fox")
+    for role, text in chat:
+        store.add_message(conversation.id, role, text, model="m")
+    store.close()
+    assert main(["models", "census", str(path), "--chats"]) == 0
+    tokenizer = load_model(path).tokenizer
+    ids = tokenizer.encode(tokenizer.render_chat([{"role": r, "content": t} for r, t in chat], add_generation_prompt=False))
+    routes, _ = transformers_routes(ref, ids)
+    expected = np.zeros((LAYERS, EXPERTS), np.int64)
+    for i, (index, _) in routes.items():
+        np.add.at(expected[i], index.ravel(), 1)
+    census = json.loads((path / CENSUS_FILE).read_text())
+    (path / CENSUS_FILE).unlink()
+    assert census["tokens"] == len(ids) and census["counts"] == expected.tolist()
