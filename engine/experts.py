@@ -19,7 +19,7 @@ it runs only under lossy acceptance and is counted (`n_skipped`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +82,6 @@ class ExpertRouting:
     hits: int = 0
     misses: int = 0
     skipped: int = 0
-    census_tokens: int = field(default=0)
 
     @property
     def share_on_card(self) -> float:
@@ -94,8 +93,6 @@ class ExpertRouting:
         on = self.on_card[layer][chosen]
         if self.census is not None:
             np.add.at(self.census[layer], chosen.ravel(), 1)
-            if layer == 0:
-                self.census_tokens += chosen.shape[0]
         skip = np.zeros_like(on)
         if self.skip_budget > 0:
             skip = self._skipped(on, weights)
@@ -149,4 +146,4 @@ def take_census(lm, token_ids: list[int], chunk: int = 512) -> tuple[np.ndarray,
             model.forward(state, token_ids[start : start + chunk])
     finally:
         model.use_routing(previous)
-    return counting.census, counting.census_tokens
+    return counting.census, len(token_ids)
