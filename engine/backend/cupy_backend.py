@@ -161,7 +161,9 @@ class W4A8Linear(RowSlicedLinear):
         if isinstance(weight, W4Weight):
             self.codec, self.weights, self.scales = "w4", cp.asarray(weight.packed).view(cp.uint8), cp.asarray(weight.scales)
         elif isinstance(weight, BlockMatrix) and weight.qtype in INT8_CODECS:
-            self.codec, self.weights, self.scales = INT8_CODECS[weight.qtype], cp.asarray(weight.raw), None
+            # GGUF blocks carry their scales; the kernel's `scales` is unread, but never None: CuPy before
+            # 14 passes None as a null argument address, and the launch crashes
+            self.codec, self.weights, self.scales = INT8_CODECS[weight.qtype], cp.asarray(weight.raw), cp.zeros(1, cp.uint16)
         else:
             kind = weight.qtype.name if isinstance(weight, BlockMatrix) else type(weight).__name__
             raise ValueError(f"w4a8 on the GPU runs W4, Q8_0, Q4_0 and IQ4_XS weights, not {kind}")

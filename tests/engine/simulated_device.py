@@ -384,8 +384,9 @@ class SimulatedKernel:
                     raise TypeError(f"{self.name}: {param.name} is a C {param.ctype}; pass numpy.{param.dtype.__name__}, "
                                     f"not {type(arg).__name__}")
                 bound[param.name] = arg
-            elif arg is None:  # CuPy passes None as a null pointer
-                bound[param.name] = None
+            elif arg is None:  # CuPy before 14 passes None as a null argument address: a crash on the GPU
+                raise TypeError(f"{self.name}: {param.name} is None; pass a device array (a one-element dummy where "
+                                "the kernel does not read it)")
             elif not isinstance(arg, DeviceArray) or arg.dtype != param.dtype:
                 got = f"a {arg.dtype} device array" if isinstance(arg, DeviceArray) else type(arg).__name__
                 raise TypeError(f"{self.name}: {param.name} is a {param.ctype}*, got {got}")
