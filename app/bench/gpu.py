@@ -329,6 +329,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per figure; the median counts")
     parser.add_argument("--layers", type=int, help="layers of the 27B geometry in the cycle model (default: what fits)")
+    parser.add_argument("--table", choices=("gemv", "cycle", "both"), default="both",
+                        help="which table to measure (scripts/gpu_check.sh runs each as its own stage)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -337,7 +339,12 @@ def run(args: argparse.Namespace) -> int:
 
     if backend_name("auto") != "cupy":
         raise DuetError("duet bench gpu needs an NVIDIA GPU and CuPy (pip install 'duet[gpu]')")
-    gemv = gemv_table(repeats=args.repeats)
-    cycle = cycle_table(args.layers, repeats=args.repeats)
-    print(json.dumps({"gemv": gemv, "cycle": cycle}) if args.json else format_table(gemv) + "\n\n" + format_cycle_table(cycle))
+    report, text = {}, []
+    if args.table in ("gemv", "both"):
+        report["gemv"] = gemv_table(repeats=args.repeats)
+        text.append(format_table(report["gemv"]))
+    if args.table in ("cycle", "both"):
+        report["cycle"] = cycle_table(args.layers, repeats=args.repeats)
+        text.append(format_cycle_table(report["cycle"]))
+    print(json.dumps(report) if args.json else "\n\n".join(text))
     return 0
