@@ -17,7 +17,7 @@ FLAGS = {  # each benchmark's flags, as they were before the registry
     "routes": {"--model", "--new-tokens", "--repeats", "--json"},
     "spec": {"--model", "--max-tokens", "--temperature", "--seed", "--json"},
     "trellis": {"--json"},
-    "gpu": {"--json", "--repeats", "--layers"},
+    "gpu": {"--json", "--repeats", "--layers", "--table"},
     "heads": {"--geometry", "--repeats", "--rows", "--json"},
 }
 
