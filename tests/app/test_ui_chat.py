@@ -193,6 +193,50 @@ class PacedEngine:
         raise AssertionError("the reply showed no text in 100 cycles")
 
 
+async def test_at_80_columns_the_panels_fold_and_the_readout_takes_one_line_of_words(make_app):
+    app = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await send(pilot, "the quick brown fox")
+        line = screen.query_one("#readout-line", Label)
+        assert not screen.query_one(ConversationList).display and not screen.query_one("#panel").display
+        assert line.display and screen.query_one("#chat").size.width >= 60
+        words = str(line.render())
+        assert "tok/s" in words and "bf16" in words and "exact" in words and "ctx " in words
+        assert screen.query(MessageView).last().content_region.width >= 60  # a reply line holds 60 characters
+        await pilot.press("ctrl+t")
+        assert "lossy" in str(line.render())
+        await pilot.press("f4")  # the panel back, the one-line readout gone
+        assert screen.query_one("#panel").display and not line.display
+        assert "accept: lossy" in str(screen.query_one("#accept-label", Label).render())
+        await pilot.press("f4", "ctrl+b")
+        assert not screen.query_one("#panel").display and screen.query_one(ConversationList).display
+        await pilot.resize_terminal(140, 40)  # wide again: both panels back
+        await pilot.pause()
+        assert screen.query_one("#panel").display and screen.query_one(ConversationList).display and not line.display
+
+
+async def test_resizing_while_a_reply_streams_loses_no_text(make_app, endless_model, monkeypatch):
+    paced = PacedEngine(session_module.generate)
+    monkeypatch.setattr(session_module, "generate", paced)
+    app = make_app(Config(max_tokens=100_000), model=endless_model)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await loaded(pilot)
+        screen.query_one("#prompt", Input).value = "over the lazy dog"
+        await pilot.press("enter")
+        await paced.until_shown(pilot, screen)
+        before = screen.reply_view.text
+        for size in ((80, 24), (200, 60), (100, 30)):
+            await pilot.resize_terminal(*size)
+            paced.allow(5)
+            await wait_for(pilot, lambda: paced.held)
+            await pilot.pause()
+        await pilot.press("escape")
+        paced.allow(100_000)
+        await wait_for(pilot, lambda: not screen.streaming)
+        reply = saved_messages(app)[-1]
+        assert reply.content.startswith(before) and screen.query(MessageView).last().text == reply.content
+
+
 async def test_a_moe_models_readout_says_where_its_experts_came_from(make_app, tmp_path):
     """The readout panel adds the expert figures (engine/experts.py) for a MoE model, and only for one."""
     from conftest import build_reference, save_reference

@@ -64,6 +64,21 @@ def test_chat_screen_with_a_saved_conversation(snap_compare, home, tiny_model):
     assert snap_compare(duet(tiny_model), terminal_size=SIZE, run_before=until_loaded)
 
 
+@pytest.mark.parametrize("colour", ["colour", "no-colour"])
+def test_chat_screen_at_80_by_24(snap_compare, home, tiny_model, monkeypatch, colour):
+    """The common default terminal: both side panels folded, the readout in one line of words (so a
+    monochrome terminal, NO_COLOR, still says exact or lossy)."""
+    if colour == "no-colour":
+        monkeypatch.setenv("NO_COLOR", "1")
+    saved_conversation(home)
+    assert snap_compare(duet(tiny_model), terminal_size=(80, 24), run_before=until_loaded)
+
+
+def test_chat_screen_at_200_by_60(snap_compare, home, tiny_model):
+    saved_conversation(home)
+    assert snap_compare(duet(tiny_model), terminal_size=(200, 60), run_before=until_loaded)
+
+
 def test_chat_screen_empty(snap_compare, home, tiny_model):
     assert snap_compare(duet(tiny_model), terminal_size=SIZE, run_before=until_loaded)
 

@@ -12,7 +12,7 @@ import threading
 from functools import partial
 from pathlib import Path
 
-from textual import on, work
+from textual import events, on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -27,10 +27,13 @@ from duet.app.ui.screens.dialogs import Confirm, ContextFullChoice, ExportChoice
 from duet.app.ui.screens.models import ModelsScreen
 from duet.app.ui.widgets.conversation_list import ConversationItem, ConversationList
 from duet.app.ui.widgets.message_view import MessageView
-from duet.app.ui.widgets.readouts import ContextMeter, Readouts, SwitchPanel
+from duet.app.ui.widgets.readouts import ContextMeter, ReadoutLine, Readouts, SwitchPanel
 from duet.engine import Accept, DuetError, LoadedModel, LoadProgress, Route
 
 QUIT_WAIT_SECONDS = 5.0  # on quit, how long to wait for a stopped reply to be saved
+# Below this many columns the conversation list (28) and the panel (34) would leave the chat too
+# narrow (80 columns: 18): both fold away, the readout takes one line, and F4 / ctrl+b bring them back.
+WIDE_COLUMNS = 120
 
 
 class ChatScreen(Screen):
@@ -44,6 +47,7 @@ class ChatScreen(Screen):
         Binding("ctrl+o", "export", "Export", id="chat.export"),
         Binding("ctrl+t", "toggle_accept", "Exact/lossy", id="chat.accept"),
         Binding("ctrl+b", "toggle_sidebar", "Chats", id="chat.sidebar"),
+        Binding("f4", "toggle_panel", "Figures", id="chat.panel"),
         Binding("f3", "models", "Models", id="chat.models"),
     ]
 
@@ -78,6 +82,7 @@ class ChatScreen(Screen):
         self.session: ChatSession | None = None
         self.conversation_id: int | None = None
         self.cancel: threading.Event | None = None  # set while a reply streams
+        self.narrow: bool | None = None  # the layout's width class, once the screen knows its width
         self.loading: Worker | None = None  # the load of the model last chosen, while it runs
         self.reply_saved = threading.Event()
         self.reply_view: MessageView | None = None
@@ -89,6 +94,7 @@ class ChatScreen(Screen):
             with Vertical(id="chat"):
                 yield ProgressBar(total=1.0, show_eta=False, id="loading")
                 yield VerticalScroll(id="messages")
+                yield ReadoutLine(id="readout-line")
                 yield Input(placeholder="Message duet · Enter sends · Esc stops a reply", id="prompt")
             with Vertical(id="panel"):
                 yield Label("no model", id="model-name")
@@ -104,12 +110,29 @@ class ChatScreen(Screen):
             await self.open_conversation(conversations[0].id)
         await self.show_conversations()
         self.query_one(SwitchPanel).set_accept(self.host.switches.accept)
+        self.query_one(ReadoutLine).set(accept=self.host.switches.accept)
+        self.fit_layout(self.app.size.width)
         self.query_one("#prompt", Input).focus()
         self.start_loading(self.host.launch.model_path, self.host.launch.route)
 
     @property
     def streaming(self) -> bool:
         return self.cancel is not None
+
+    # ---- layout: below WIDE_COLUMNS the side panels fold away and the readout takes one line ----
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.fit_layout(event.size.width)
+
+    def fit_layout(self, width: int) -> None:
+        """On crossing WIDE_COLUMNS, show or fold both side panels; between crossings the keys decide."""
+        narrow = width < WIDE_COLUMNS
+        if narrow == self.narrow:
+            return
+        self.narrow = narrow
+        self.query_one(ConversationList).display = not narrow
+        self.query_one("#panel").display = not narrow
+        self.query_one(ReadoutLine).display = narrow
 
     # ---- loading the model ----
 
@@ -168,7 +191,9 @@ class ChatScreen(Screen):
         await container.mount_all(MessageView(m) for m in messages)
         container.scroll_end(animate=False)
         replies = [m for m in messages if m.role == "assistant"]
-        self.query_one(Readouts).show(Readout.of_saved(replies[-1].stats) if replies else Readout())
+        readout = Readout.of_saved(replies[-1].stats) if replies else Readout()
+        self.query_one(Readouts).show(readout)
+        self.query_one(ReadoutLine).set(readout=readout)
         self.update_context_meter()
 
     @on(ListView.Selected, "#conversations")
@@ -237,6 +262,12 @@ class ChatScreen(Screen):
         sidebar = self.query_one(ConversationList)
         sidebar.display = not sidebar.display
 
+    def action_toggle_panel(self) -> None:
+        """The readout panel and switches, or the one-line readout in their place."""
+        panel = self.query_one("#panel")
+        panel.display = not panel.display
+        self.query_one(ReadoutLine).display = not panel.display
+
     # ---- sending and replies ----
 
     @on(Input.Submitted, "#prompt")
@@ -304,6 +335,8 @@ class ChatScreen(Screen):
     async def on_chat_screen_streamed(self, message: Streamed) -> None:
         event, readouts = message.event, self.query_one(Readouts)
         readouts.show(event.readout)
+        self.query_one(ReadoutLine).set(readout=event.readout,
+                                        context=(event.readout.prompt_tokens + event.readout.generated_tokens, self.host.budget))
         if isinstance(event, ReplyChunk):
             await self.reply_view.append(event.text)
             if event.readout.recent_tok_s:
@@ -355,6 +388,7 @@ class ChatScreen(Screen):
             return
         used = self.session.context_used() if self.session else 0
         self.query_one(ContextMeter).show(used, self.host.budget)
+        self.query_one(ReadoutLine).set(context=(used, self.host.budget), route=self.host.lm.route)
 
     # ---- switches and settings ----
 
@@ -364,6 +398,7 @@ class ChatScreen(Screen):
         if event.value is Select.NULL or not self.host.switch_route(event.value):
             return
         when = "from the next cycle of this reply" if self.streaming else "from the next reply"
+        self.query_one(ReadoutLine).set(route=event.value)
         self.notify(f"Route {event.value} {when}")
 
     def action_toggle_accept(self) -> None:
@@ -372,7 +407,10 @@ class ChatScreen(Screen):
 
     @on(Switch.Changed, "#accept")
     def accept_switched(self, event: Switch.Changed) -> None:
-        self.host.set_accept(Accept.LOSSY if event.value else Accept.EXACT)
+        rule = Accept.LOSSY if event.value else Accept.EXACT
+        self.host.set_accept(rule)
+        self.query_one(SwitchPanel).show_accept(rule)
+        self.query_one(ReadoutLine).set(accept=rule)
 
     def action_settings(self) -> None:
         prompt = self.session.conversation.system_prompt if self.session else self.app.config.system_prompt

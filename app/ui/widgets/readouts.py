@@ -54,6 +54,29 @@ class Readouts(Vertical):
         sparkline.data = [*sparkline.data, tok_s][-SPARKLINE_POINTS:]
 
 
+class ReadoutLine(Label):
+    """The readout in one line, under the conversation when the panel is folded away (a narrow
+    terminal): decode speed, tokens a cycle, acceptance, route, rule and context, all in words."""
+
+    def on_mount(self) -> None:
+        self.parts: dict[str, str] = {}
+
+    def set(self, readout: Readout | None = None, route: str | None = None, accept: str | None = None,
+            context: tuple[int, int] | None = None) -> None:
+        if readout is not None:
+            self.parts["speed"] = f"{readout.decode_tok_s:.0f} tok/s" if readout.decode_tok_s else "— tok/s"
+            self.parts["cycle"] = f"{readout.tokens_per_cycle:.2f} tok/cycle" if readout.tokens_per_cycle else ""
+            self.parts["kept"] = f"{readout.acceptance_rate:.0%} kept" if readout.acceptance_rate is not None else ""
+        if route is not None:
+            self.parts["route"] = route
+        if accept is not None:
+            self.parts["accept"] = accept
+        if context is not None:
+            self.parts["context"] = f"ctx {context[0]:,}/{context[1]:,}"
+        order = ("speed", "cycle", "kept", "route", "accept", "context")
+        self.update(" · ".join(self.parts[k] for k in order if self.parts.get(k)))
+
+
 class SwitchPanel(Vertical):
     """The route the model runs and the acceptance rule; flipping them applies from the next cycle."""
 
@@ -61,7 +84,7 @@ class SwitchPanel(Vertical):
         yield Label("route")
         yield Select([], id="route", allow_blank=True, prompt="(no model)")
         with Horizontal(id="accept-row"):
-            yield Label("lossy accept", id="accept-label")
+            yield Label("accept: exact", id="accept-label")  # the rule in words: a knob alone is colour
             yield Switch(id="accept", tooltip="exact: output as the model's own; lossy: keeps more drafts")
 
     def set_routes(self, routes: tuple[Route, ...], current: str) -> None:
@@ -71,6 +94,10 @@ class SwitchPanel(Vertical):
 
     def set_accept(self, rule: Accept) -> None:
         self.query_one("#accept", Switch).value = rule == Accept.LOSSY
+        self.show_accept(rule)
+
+    def show_accept(self, rule: Accept) -> None:
+        self.query_one("#accept-label", Label).update(f"accept: {rule}")
 
 
 class ContextMeter(Vertical):
