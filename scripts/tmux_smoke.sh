@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Smoke test of the chat UI as a new user meets it: a fresh home, `duet` in a real terminal (tmux),
-# a typed prompt, and checks that the reply text, the readouts and the context meter appear, that
-# Esc and Ctrl+Q work, and that the conversation was saved.
+# a typed prompt, and checks that the reply text, the readouts and the context meter appear, that the
+# layout folds to a readable chat at 80x24, that Esc and Ctrl+Q work, and that the conversation was saved.
 #
 #   scripts/tmux_smoke.sh                      the bundled demo model
 #   scripts/tmux_smoke.sh --model DIR          any other model; arguments go to duet as they are
@@ -51,6 +51,15 @@ grep -Eq 'tokens/cycle +[0-9.]+' <<<"$pane" || fail "the tokens per cycle"
 grep -Eq 'acceptance +([0-9]+%|—)' <<<"$pane" || fail "the acceptance readout"
 grep -Eq 'context [0-9,]+ / [0-9,]+' <<<"$pane" || fail "the context meter"
 grep -q "$prompt" <<<"$pane" || fail "the prompt in the conversation"
+echo "$pane"
+
+# The common default terminal, 80x24: the side panels fold, the readout takes one line of words, and
+# the reply keeps a readable width (a line of at least 50 characters between its borders).
+tmux resize-window -t "$session" -x 80 -y 24
+sleep 1
+pane="$(screen)"
+grep -Eq 'tok/s · .*(exact|lossy) · ctx [0-9,]+/[0-9,]+' <<<"$pane" || fail "the one-line readout at 80x24"
+awk -F'│' 'NF >= 3 && length($2) >= 50 { found = 1 } END { exit !found }' <<<"$pane" || fail "a reply line of 50 characters at 80x24"
 echo "$pane"
 
 tmux send-keys -t "$session" C-q
