@@ -156,6 +156,14 @@ async def test_send_streams_a_reply_and_saves_both_messages(make_app):
         assert screen.query_one("#prompt", Input).value == ""
 
 
+@pytest.fixture
+def paced(monkeypatch):
+    """The app's engine held by the test between events (PacedEngine)."""
+    engine = PacedEngine(session_module.generate)
+    monkeypatch.setattr(session_module, "generate", engine)
+    return engine
+
+
 class PacedEngine:
     """The engine's event stream, let through a counted number of events at a time.
 
@@ -181,6 +189,12 @@ class PacedEngine:
     @property
     def held(self) -> bool:
         return self.passed == self.allowed
+
+    async def send(self, pilot, screen, text: str) -> None:
+        """Send `text`; return once its paced reply shows text."""
+        screen.query_one("#prompt", Input).value = text
+        await pilot.press("enter")
+        await self.until_shown(pilot, screen)
 
     async def until_shown(self, pilot, screen) -> None:
         """One cycle at a time until the reply shows text (a token can be part of a character)."""
@@ -215,15 +229,11 @@ async def test_at_80_columns_the_panels_fold_and_the_readout_takes_one_line_of_w
         assert screen.query_one("#panel").display and screen.query_one(ConversationList).display and not line.display
 
 
-async def test_resizing_while_a_reply_streams_loses_no_text(make_app, endless_model, monkeypatch):
-    paced = PacedEngine(session_module.generate)
-    monkeypatch.setattr(session_module, "generate", paced)
+async def test_resizing_while_a_reply_streams_loses_no_text(make_app, endless_model, paced):
     app = make_app(Config(max_tokens=100_000), model=endless_model)
     async with app.run_test(size=SIZE) as pilot:
         screen = await loaded(pilot)
-        screen.query_one("#prompt", Input).value = "over the lazy dog"
-        await pilot.press("enter")
-        await paced.until_shown(pilot, screen)
+        await paced.send(pilot, screen, "over the lazy dog")
         before = screen.reply_view.text
         for size in ((80, 24), (200, 60), (100, 30)):
             await pilot.resize_terminal(*size)
@@ -250,18 +260,14 @@ async def test_a_moe_models_readout_says_where_its_experts_came_from(make_app, t
         assert saved_messages(app)[-1].stats["expert_hit_rate"] == 1.0
 
 
-async def test_keys_work_while_a_reply_streams_and_esc_stops_it(make_app, endless_model, monkeypatch):
-    paced = PacedEngine(session_module.generate)
-    monkeypatch.setattr(session_module, "generate", paced)
+async def test_keys_work_while_a_reply_streams_and_esc_stops_it(make_app, endless_model, paced):
     app = make_app(Config(max_tokens=100_000), model=endless_model)
     async with app.run_test(size=SIZE) as pilot:
         screen = await loaded(pilot)
         posted = []
         original = screen.post_message
         screen.post_message = lambda message: posted.append(message) or original(message)
-        screen.query_one("#prompt", Input).value = "over the lazy dog"
-        await pilot.press("enter")
-        await paced.until_shown(pilot, screen)
+        await paced.send(pilot, screen, "over the lazy dog")
         await pilot.press("ctrl+b")  # hide the conversation list
         assert not screen.query_one(ConversationList).display
         await pilot.press("a", "b", "c")
