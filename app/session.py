@@ -11,6 +11,7 @@ A reply's engine options are built here (`reply_options`), for the UI and `duet 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from duet.engine import (
 )
 
 BATCH_SECONDS = 0.05
+MAX_KEYED_DEPTH = 4  # the depth key cycles adaptive, 1..4: an MTP head's cap (n-gram goes to 7 by flag)
 LOAD_PROGRESS_STEP = 0.02  # report load progress at most every 2% of the bytes
 WARN_SHARE = 0.8  # the context meter warns from this share of the budget on
 TITLE_CHARS = 48
@@ -268,6 +270,7 @@ class EngineHost:
     def __init__(self, launch: Launch):
         self.launch = launch
         self.switches = Switches(launch.accept)
+        self.choices = launch.choices  # the next reply's drafts, depth and KV cache: the command line's, then the keys'
         self.lm: LoadedModel | None = None
 
     def load(self, path: Path, route: Route, report_share: Callable[[float, str], None]) -> LoadedModel:
@@ -302,7 +305,27 @@ class EngineHost:
         return ChatSession(store, store.conversation(conversation_id), self.lm, self.budget, self.switches)
 
     def reply_options(self, settings: ReplySettings) -> GenerateOptions:
-        return reply_options(settings, self.budget, self.launch.choices, self.switches.accept)
+        return reply_options(settings, self.budget, self.choices, self.switches.accept)
+
+    def next_draft(self) -> Draft:
+        """The next drafter for the following replies: auto, mtp (with an MTP head), ngram, none."""
+        kinds = [d for d in Draft if d != Draft.MTP or (self.lm is not None and self.lm.model.mtp is not None)]
+        return self._choose(draft=kinds[(kinds.index(self.choices.draft) + 1) % len(kinds)] if self.choices.draft in kinds
+                            else Draft.AUTO).draft
+
+    def next_depth(self) -> int | None:
+        """Drafts a cycle for the following replies: adaptive (None), then 1 to MAX_KEYED_DEPTH."""
+        depth = self.choices.depth
+        return self._choose(depth=1 if depth is None else None if depth >= MAX_KEYED_DEPTH else depth + 1).depth
+
+    def next_kv(self) -> KVCache:
+        """The following replies' KV cache: each type the engine runs, in turn."""
+        kinds = [kv for kv in KVCache if kv.runs]
+        return self._choose(kv=kinds[(kinds.index(self.choices.kv) + 1) % len(kinds)]).kv
+
+    def _choose(self, **change) -> EngineChoices:
+        self.choices = dataclasses.replace(self.choices, **change)
+        return self.choices
 
 
 def _throttled(report_share: Callable[[float, str], None]) -> Callable[[LoadProgress], None]:

@@ -229,6 +229,39 @@ async def test_at_80_columns_the_panels_fold_and_the_readout_takes_one_line_of_w
         assert screen.query_one("#panel").display and screen.query_one(ConversationList).display and not line.display
 
 
+async def test_every_engine_choice_is_on_a_key_and_shown_in_words(make_app, tiny_model, tmp_path):
+    """F5 route, F6 drafts, F7 depth, F9 KV cache: taken from the next reply (no reload), said in the
+    panel and the one-line readout."""
+    from duet.app.cli import main
+
+    app = make_app()  # drafts none, as make_app launches
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await loaded(pilot)
+        choices = lambda: str(screen.query_one("#engine-choices", Label).render())  # noqa: E731
+        assert choices() == "drafts: none\ndepth: auto\nKV cache: bf16"
+        await pilot.press("f6", "f7", "f9")  # no MTP head here: none -> auto
+        assert choices() == "drafts: auto\ndepth: 1\nKV cache: q4"
+        options = screen.host.reply_options(app.config)
+        assert (options.draft, options.depth, options.kv) == ("auto", 1, "q4")
+        await send(pilot, "five six seven eight five six seven eight five six")
+        assert saved_messages(app)[-1].stats["drafter"] == "ngram"  # auto without an MTP head
+        await pilot.press("f5")
+        assert "runs the bf16 route only" in last_note(app).message
+        await pilot.press("f4")
+        line = str(screen.query_one("#readout-line", Label).render())
+        assert "depth 1 kv q4" in line and "drafts" not in line  # only what differs from the defaults
+
+    int4 = tmp_path / "tiny-int4"
+    assert main(["convert", str(tiny_model), str(int4), "--format", "int4"]) == 0
+    app = make_app(model=int4)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await loaded(pilot)
+        await pilot.press("f5")
+        await pilot.pause()
+        assert screen.query_one("#route", Select).value == "w4a8" and screen.host.switches.route == "w4a8"
+        assert "Route w4a8 from the next reply" in last_note(app).message
+
+
 async def test_resizing_while_a_reply_streams_loses_no_text(make_app, endless_model, paced):
     app = make_app(Config(max_tokens=100_000), model=endless_model)
     async with app.run_test(size=SIZE) as pilot:

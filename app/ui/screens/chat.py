@@ -28,7 +28,7 @@ from duet.app.ui.screens.models import ModelsScreen
 from duet.app.ui.widgets.conversation_list import ConversationItem, ConversationList
 from duet.app.ui.widgets.message_view import MessageView
 from duet.app.ui.widgets.readouts import ContextMeter, ReadoutLine, Readouts, SwitchPanel
-from duet.engine import Accept, DuetError, LoadedModel, LoadProgress, Route
+from duet.engine import Accept, Draft, DuetError, KVCache, LoadedModel, LoadProgress, Route
 
 QUIT_WAIT_SECONDS = 5.0  # on quit, how long to wait for a stopped reply to be saved
 # Below this many columns the conversation list (28) and the panel (34) would leave the chat too
@@ -37,18 +37,23 @@ WIDE_COLUMNS = 120
 
 
 class ChatScreen(Screen):
+    # In the footer's order, most used first (a narrow footer shows the first); every one remappable by id.
     BINDINGS = [
         Binding("escape", "stop", "Stop", id="chat.stop"),
+        Binding("ctrl+t", "toggle_accept", "Exact/lossy", id="chat.accept"),
         Binding("ctrl+n", "new_conversation", "New", id="chat.new"),
         Binding("ctrl+r", "regenerate", "Regenerate", id="chat.regenerate"),
+        Binding("f4", "toggle_panel", "Figures", id="chat.panel"),
+        Binding("ctrl+b", "toggle_sidebar", "Chats", id="chat.sidebar"),
+        Binding("f5", "next_route", "Route", id="chat.route"),
+        Binding("f6", "next_draft", "Drafts", id="chat.draft"),
+        Binding("f7", "next_depth", "Depth", id="chat.depth"),
+        Binding("f9", "next_kv", "KV cache", id="chat.kv"),
+        Binding("ctrl+s", "settings", "Settings", id="chat.settings"),
+        Binding("f3", "models", "Models", id="chat.models"),
         Binding("f2", "rename", "Rename", id="chat.rename"),
         Binding("f8", "delete", "Delete", id="chat.delete"),
-        Binding("ctrl+s", "settings", "Settings", id="chat.settings"),
         Binding("ctrl+o", "export", "Export", id="chat.export"),
-        Binding("ctrl+t", "toggle_accept", "Exact/lossy", id="chat.accept"),
-        Binding("ctrl+b", "toggle_sidebar", "Chats", id="chat.sidebar"),
-        Binding("f4", "toggle_panel", "Figures", id="chat.panel"),
-        Binding("f3", "models", "Models", id="chat.models"),
     ]
 
     class Streamed(Message):
@@ -111,6 +116,7 @@ class ChatScreen(Screen):
         await self.show_conversations()
         self.query_one(SwitchPanel).set_accept(self.host.switches.accept)
         self.query_one(ReadoutLine).set(accept=self.host.switches.accept)
+        self.show_choices()
         self.fit_layout(self.app.size.width)
         self.query_one("#prompt", Input).focus()
         self.start_loading(self.host.launch.model_path, self.host.launch.route)
@@ -411,6 +417,38 @@ class ChatScreen(Screen):
         self.host.set_accept(rule)
         self.query_one(SwitchPanel).show_accept(rule)
         self.query_one(ReadoutLine).set(accept=rule)
+
+    def action_next_route(self) -> None:
+        """The next route the loaded weights run (the route selector follows; route_chosen takes it)."""
+        if self.refuse_without_a_model():
+            return
+        routes, current = self.host.routes(), self.host.switches.route or self.host.lm.route
+        if len(routes) == 1:
+            self.notify(f"{self.host.lm.name} runs the {current} route only")
+            return
+        self.query_one("#route", Select).value = routes[(routes.index(current) + 1) % len(routes)]
+
+    def action_next_draft(self) -> None:
+        self.notify(f"Drafts: {self.host.next_draft()} from the next reply")
+        self.show_choices()
+
+    def action_next_depth(self) -> None:
+        depth = self.host.next_depth()
+        self.notify(f"Draft depth: {'auto (adaptive)' if depth is None else depth} from the next reply")
+        self.show_choices()
+
+    def action_next_kv(self) -> None:
+        self.notify(f"KV cache: {self.host.next_kv()} from the next reply")
+        self.show_choices()
+
+    def show_choices(self) -> None:
+        """The next reply's engine choices in words: in the panel, and in the one-line readout where
+        they differ from the defaults."""
+        c = self.host.choices
+        self.query_one(SwitchPanel).show_choices(c)
+        differ = [str(c.draft) if c.draft != Draft.AUTO else "", f"depth {c.depth}" if c.depth else "",
+                  f"kv {c.kv}" if c.kv != KVCache.BF16 else ""]
+        self.query_one(ReadoutLine).set(choices=" ".join(part for part in differ if part))
 
     def action_settings(self) -> None:
         prompt = self.session.conversation.system_prompt if self.session else self.app.config.system_prompt

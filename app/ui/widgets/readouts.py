@@ -62,7 +62,7 @@ class ReadoutLine(Label):
         self.parts: dict[str, str] = {}
 
     def set(self, readout: Readout | None = None, route: str | None = None, accept: str | None = None,
-            context: tuple[int, int] | None = None) -> None:
+            context: tuple[int, int] | None = None, choices: str | None = None) -> None:
         if readout is not None:
             self.parts["speed"] = f"{readout.decode_tok_s:.0f} tok/s" if readout.decode_tok_s else "— tok/s"
             self.parts["cycle"] = f"{readout.tokens_per_cycle:.2f} tok/cycle" if readout.tokens_per_cycle else ""
@@ -73,7 +73,9 @@ class ReadoutLine(Label):
             self.parts["accept"] = accept
         if context is not None:
             self.parts["context"] = f"ctx {context[0]:,}/{context[1]:,}"
-        order = ("speed", "cycle", "kept", "route", "accept", "context")
+        if choices is not None:
+            self.parts["choices"] = choices
+        order = ("speed", "cycle", "kept", "route", "accept", "choices", "context")
         self.update(" · ".join(self.parts[k] for k in order if self.parts.get(k)))
 
 
@@ -86,6 +88,12 @@ class SwitchPanel(Vertical):
         with Horizontal(id="accept-row"):
             yield Label("accept: exact", id="accept-label")  # the rule in words: a knob alone is colour
             yield Switch(id="accept", tooltip="exact: output as the model's own; lossy: keeps more drafts")
+        yield Label("", id="engine-choices")
+
+    def show_choices(self, choices) -> None:
+        """The next reply's drafts, depth and KV cache (EngineChoices), in words."""
+        depth = "auto" if choices.depth is None else choices.depth
+        self.query_one("#engine-choices", Label).update(f"drafts: {choices.draft}\ndepth: {depth}\nKV cache: {choices.kv}")
 
     def set_routes(self, routes: tuple[Route, ...], current: str) -> None:
         select = self.query_one("#route", Select)
