@@ -271,12 +271,13 @@ class EngineHost:
         self.launch = launch
         self.switches = Switches(launch.accept)
         self.choices = launch.choices  # the next reply's drafts, depth and KV cache: the command line's, then the keys'
+        self.context = launch.context  # the context budget; None: the model's longest
         self.lm: LoadedModel | None = None
 
     def load(self, path: Path, route: Route, report_share: Callable[[float, str], None]) -> LoadedModel:
         """Load a model, reporting (share done, stage) at most every LOAD_PROGRESS_STEP of a stage: the
         bytes of weights read, then the CPU kernels compiled or loaded (LoadProgress's stages)."""
-        return load_model(path, progress=_throttled(report_share), route=route, host_tables=self.launch.choices.host_tables)
+        return load_model(path, progress=_throttled(report_share), route=route, host_tables=self.choices.host_tables)
 
     def use(self, lm: LoadedModel) -> None:
         self.lm = lm
@@ -284,8 +285,8 @@ class EngineHost:
 
     @property
     def budget(self) -> int:
-        """Tokens of prompt and reply: --context, else the model's longest."""
-        return self.launch.context or self.lm.config.max_position_embeddings
+        """Tokens of prompt and reply: --context (or the settings'), else the model's longest."""
+        return self.context or self.lm.config.max_position_embeddings
 
     def routes(self) -> tuple[Route, ...]:
         """Routes the loaded checkpoint can run, the one it runs first."""
@@ -322,6 +323,21 @@ class EngineHost:
         """The following replies' KV cache: each type the engine runs, in turn."""
         kinds = [kv for kv in KVCache if kv.runs]
         return self._choose(kv=kinds[(kinds.index(self.choices.kv) + 1) % len(kinds)]).kv
+
+    def set_engine(self, choices: EngineChoices, context: int | None) -> bool:
+        """The settings dialog's drafts, depth, KV cache and context budget, from the next reply. Host
+        tables change how the head is built, so they wait for a reload (use_host_tables): True when
+        `choices` asks for other host tables than the model has."""
+        if context is not None and self.lm is not None and not 2 <= context <= self.lm.config.max_position_embeddings:
+            raise DuetError(f"the context budget must be from 2 to {self.lm.config.max_position_embeddings:,} tokens "
+                            f"(got {context:,})")
+        self.choices = dataclasses.replace(choices, host_tables=self.choices.host_tables)
+        self.context = context
+        return choices.host_tables != self.choices.host_tables
+
+    def use_host_tables(self, host_tables: bool) -> None:
+        """For the next load (the caller reloads the model)."""
+        self.choices = dataclasses.replace(self.choices, host_tables=host_tables)
 
     def _choose(self, **change) -> EngineChoices:
         self.choices = dataclasses.replace(self.choices, **change)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from pilot_wait import pace, record_notices, wait_for
-from textual.widgets import Collapsible, Input, Label, Markdown, Select, Static
+from textual.widgets import Collapsible, Input, Label, Markdown, Select, Static, Switch
 
 from duet.app import session as session_module
 from duet.app.settings import Config, load_config, user_paths
@@ -362,6 +362,47 @@ async def test_new_switch_rename_and_delete_conversations(make_app):
         await pilot.pause()
         assert [c.title for c in app.store.conversations()] == ["second chat"]
         assert screen.query(MessageView).first().text == "second chat"
+
+
+async def test_settings_change_the_engine_and_host_tables_ask_before_reloading(make_app, tmp_path):
+    from conftest import build_reference, save_reference
+
+    wide = save_reference(build_reference("qwen3_5_text", seed=4, hidden_size=128), tmp_path / "wide")  # int4 head: 128s
+    app = make_app(model=wide)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = await send(pilot, "hello")
+        lm = screen.host.lm
+        await pilot.press("ctrl+s")
+        dialog = app.screen
+        dialog.query_one("#draft", Select).value = "ngram"
+        dialog.query_one("#depth", Select).value = "2"
+        dialog.query_one("#kv", Select).value = "q4"
+        dialog.query_one("#context", Input).value = "999999999"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert "context budget must be from 2 to 4,096 tokens" in last_note(app).message
+        await pilot.press("ctrl+s")
+        dialog = app.screen
+        dialog.query_one("#draft", Select).value = "ngram"
+        dialog.query_one("#depth", Select).value = "2"
+        dialog.query_one("#kv", Select).value = "q4"
+        dialog.query_one("#context", Input).value = "1,000"
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        options = screen.host.reply_options(app.config)
+        assert (options.draft, options.depth, options.kv, screen.host.budget) == ("ngram", 2, "q4", 1000)
+        assert "/ 1,000" in str(screen.query_one("#context-label", Label).render()) and screen.host.lm is lm
+        assert "drafts: ngram" in str(screen.query_one("#engine-choices", Label).render())
+
+        await pilot.press("ctrl+s")
+        app.screen.query_one("#host-tables", Switch).value = True
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: isinstance(app.screen, Confirm))
+        await pilot.click("#yes")
+        await wait_for(pilot, lambda: screen.host.lm is not lm and screen.host.lm is not None)
+        assert screen.host.lm.host_tables and screen.host.choices.host_tables
+        await send(pilot, "again")
+        assert saved_messages(app)[-1].stats["generated_tokens"] > 0
 
 
 async def test_settings_change_the_system_prompt_and_sampling(make_app):

@@ -452,12 +452,25 @@ class ChatScreen(Screen):
 
     def action_settings(self) -> None:
         prompt = self.session.conversation.system_prompt if self.session else self.app.config.system_prompt
-        self.app.push_screen(ReplySettings(prompt, self.app.config), self.settings_saved)
+        self.app.push_screen(ReplySettings(prompt, self.app.config, self.host.choices, self.host.context), self.settings_saved)
 
-    def settings_saved(self, result: tuple | None) -> None:
+    async def settings_saved(self, result: tuple | None) -> None:
         if result is None:
             return
-        system_prompt, config = result
+        system_prompt, config, choices, context = result
+        try:
+            reload = self.host.set_engine(choices, context)
+        except DuetError as error:
+            self.notify(str(error), severity="error")
+            return
+        self.show_choices()
+        if self.host.lm is not None and self.conversation_id is not None and not self.streaming:
+            await self.open_conversation(self.conversation_id)  # its session takes the new budget
+        if reload:
+            question = (f"{'Use' if choices.host_tables else 'Stop using'} host tables? The model loads again "
+                        "(a reply streaming now is stopped first).")
+            self.app.push_screen(Confirm(question, "Reload"),
+                                 lambda yes: self.reload_with_host_tables(choices.host_tables, yes))
         config.system_prompt = system_prompt
         self.app.config = config
         self.app.save_config()
@@ -466,6 +479,15 @@ class ChatScreen(Screen):
             self.session.refresh()
         self.update_context_meter()
         self.notify("Saved the settings")
+
+    def reload_with_host_tables(self, host_tables: bool, yes: bool | None) -> None:
+        if not yes:
+            self.notify("Host tables unchanged")
+            return
+        self.action_stop()
+        self.host.use_host_tables(host_tables)
+        self.start_loading(self.host.lm.path if self.host.lm else self.host.launch.model_path, self.host.launch.route)
+        self.query_one("#prompt", Input).focus()  # the dialogs had it: type on while the model loads
 
     # ---- export and models ----
 

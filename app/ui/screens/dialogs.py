@@ -9,11 +9,11 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, OptionList, TextArea
+from textual.widgets import Button, Input, Label, OptionList, Select, Switch, TextArea
 
-from duet.app.session import sampling_params
+from duet.app.session import EngineChoices, sampling_params
 from duet.app.settings import FRESH_SEED, Config
-from duet.engine import DuetError
+from duet.engine import Draft, DuetError, KVCache
 
 SHOWN_CODE_CHARS = 60
 
@@ -116,13 +116,16 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repe
 
 
 class ReplySettings(Dialog):
-    """The system prompt of this conversation and the sampling settings; returns (system prompt, Config)."""
+    """The system prompt of this conversation, the sampling settings and the engine's (drafts, depth, KV
+    cache, context budget, host tables); returns (system prompt, Config, EngineChoices, context)."""
 
     BINDINGS = [Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, system_prompt: str, config: Config):
+    def __init__(self, system_prompt: str, config: Config, choices: EngineChoices | None = None,
+                 context: int | None = None):
         super().__init__()
         self.system_prompt, self.config = system_prompt, config
+        self.choices, self.context = choices or EngineChoices(), context
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(classes="dialog", id="settings"):
@@ -133,6 +136,21 @@ class ReplySettings(Dialog):
                     yield Label(name.replace("_", " "))
                     yield Input(str(getattr(self.config, name)), id=name)
             yield Label(f"seed {FRESH_SEED}: a fresh seed each reply; temperature 0: greedy", classes="hint")
+            yield Label("Engine (this run; from the next reply)")
+            with Grid(id="engine"):
+                c = self.choices
+                yield Label("drafts")
+                yield Select([(d, d) for d in Draft], value=c.draft, allow_blank=False, id="draft")
+                yield Label("depth")
+                yield Select([("auto", "auto")] + [(str(n), str(n)) for n in range(1, 8)],
+                             value="auto" if c.depth is None else str(c.depth), allow_blank=False, id="depth")
+                yield Label("KV cache")
+                yield Select([(kv, kv) for kv in KVCache if kv.runs], value=c.kv, allow_blank=False, id="kv")
+                yield Label("context")
+                yield Input("" if self.context is None else str(self.context), placeholder="the model's longest", id="context")
+                yield Label("host tables")
+                yield Switch(c.host_tables, id="host-tables")
+            yield Label("host tables change how the head is built: the model loads again", classes="hint")
             with Horizontal(classes="buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
@@ -149,7 +167,16 @@ class ReplySettings(Dialog):
         except DuetError as error:
             self.notify(str(error), severity="error")
             return
-        self.dismiss((self.query_one("#system-prompt", TextArea).text, config))
+        depth = self.query_one("#depth", Select).value
+        choices = replace(self.choices, draft=Draft(self.query_one("#draft", Select).value),
+                          depth=None if depth == "auto" else int(depth), kv=KVCache(self.query_one("#kv", Select).value),
+                          host_tables=self.query_one("#host-tables", Switch).value)
+        text = self.query_one("#context", Input).value.strip().replace(",", "")
+        if text and not text.isdigit():
+            self.notify(f"context must be a whole number of tokens, or empty for the model's longest (got {text!r})",
+                        severity="error")
+            return
+        self.dismiss((self.query_one("#system-prompt", TextArea).text, config, choices, int(text) if text else None))
 
     def _edited_config(self) -> Config:
         values = {}
