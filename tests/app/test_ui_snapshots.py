@@ -74,9 +74,11 @@ def test_chat_screen_at_80_by_24(snap_compare, home, tiny_model, monkeypatch, co
     assert snap_compare(duet(tiny_model), terminal_size=(80, 24), run_before=until_loaded)
 
 
-def test_chat_screen_at_200_by_60(snap_compare, home, tiny_model):
+@pytest.mark.parametrize("size", [(120, 40), (200, 60)], ids=["120x40", "200x60"])
+def test_chat_screen_when_wide(snap_compare, home, tiny_model, size):
+    """From 120 columns on, the conversation list and the figures panel stand beside the chat."""
     saved_conversation(home)
-    assert snap_compare(duet(tiny_model), terminal_size=(200, 60), run_before=until_loaded)
+    assert snap_compare(duet(tiny_model), terminal_size=size, run_before=until_loaded)
 
 
 def test_chat_screen_empty(snap_compare, home, tiny_model):
