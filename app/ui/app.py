@@ -14,12 +14,20 @@ from duet.app.ui.screens.chat import ChatScreen
 class DuetApp(App):
     CSS_PATH = "duet.tcss"
     TITLE = "duet"
-    BINDINGS = [Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True)]
+    BINDINGS = [Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True),
+                Binding("f1", "toggle_keys", "Keys", id="app.keys")]
 
     def __init__(self, paths: Paths, config: Config, launch: Launch):
         super().__init__()
         self.paths, self.config, self.launch = paths, config, launch
         self.store = Store(paths.database)
+
+    def action_toggle_keys(self) -> None:
+        """Every key of the screen in view, in a side panel (Textual's help panel); F1 again hides it."""
+        if self.screen.query("HelpPanel"):
+            self.action_hide_help_panel()
+        else:
+            self.action_show_help_panel()
 
     def on_mount(self) -> None:
         self.set_keymap(self.config.keys)

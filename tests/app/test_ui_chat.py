@@ -262,6 +262,20 @@ async def test_every_engine_choice_is_on_a_key_and_shown_in_words(make_app, tiny
         assert "Route w4a8 from the next reply" in last_note(app).message
 
 
+async def test_f1_lists_every_key_and_hides_again(make_app):
+    from textual.widgets import HelpPanel
+
+    app = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await loaded(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+        assert app.screen.query(HelpPanel)
+        await pilot.press("f1")
+        await pilot.pause()
+        assert not app.screen.query(HelpPanel)
+
+
 async def test_resizing_while_a_reply_streams_loses_no_text(make_app, endless_model, paced):
     app = make_app(Config(max_tokens=100_000), model=endless_model)
     async with app.run_test(size=SIZE) as pilot:
