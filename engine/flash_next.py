@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from duet.engine.backend import MAX_ROWS
-from duet.engine.backend.cpu_ops import CPU, apply_rope, rope_tables, sigmoid, silu, softmax
+from duet.engine.backend.cpu_ops import CPU, apply_rope, attend, rope_tables, sigmoid, silu
 from duet.engine.cache import IndexedKVCache, PLEState, WithPLE
 from duet.engine.choices import KVCache
 from duet.engine.config import ModelConfig
@@ -42,18 +42,19 @@ class HyperConnection:
     eps: float
     ops: object = CPU
 
-    def normed(self, streams: np.ndarray) -> np.ndarray:
-        T = streams.shape[0]
-        return self.ops.rms_norm(streams.reshape(T, self.hc, -1), self.norm.reshape(self.hc, -1), self.eps).reshape(T, -1)
-
     def __call__(self, streams: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         T = streams.shape[0]
-        normed = self.normed(streams)  # [T, hc * H]
+        normed = stream_norm(self.ops, streams, self.norm, self.hc, self.eps).reshape(T, -1)  # [T, hc * H]
         weight = sigmoid(self.up(silu(self.down(normed) / self.hc)))  # [T, hc * H]
         mixed = (weight * normed).reshape(T, self.hc, -1).mean(axis=1)  # [T, H]
         if self.inject is None:
             return mixed, None
         return mixed, 2 * sigmoid(self.inject(normed) / self.hc)
+
+
+def stream_norm(ops, x: np.ndarray, weight: np.ndarray, hc: int, eps: float) -> np.ndarray:
+    """x [T, hc * H] normed over each stream's H values with its slice of weight [hc * H]: [T, hc, H]."""
+    return ops.rms_norm(x.reshape(x.shape[0], hc, -1), weight.reshape(hc, -1), eps)
 
 
 def injected(streams: np.ndarray, out: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -119,20 +120,16 @@ class PLE:
         context = len(self.ngrams.multipliers) - 1
         return PLEState(context, self.ngrams.eos, (self.conv.shape[1] - 1) * self.dilation, self.conv.shape[0])
 
-    def _norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:  # [T, hc * H] per stream
-        T = x.shape[0]
-        return self.ops.rms_norm(x.reshape(T, self.hc, -1), weight.reshape(self.hc, -1), self.eps)
-
     def __call__(self, streams: np.ndarray, ids: np.ndarray, state: PLEState) -> np.ndarray:
         T, H = streams.shape[0], streams.shape[1] // self.hc
         history = np.concatenate([state.tokens, ids])
         embedded = self.ngrams(history, T)  # [T, P]
-        key = self._norm(self.key_proj(embedded), self.norm_key)  # [T, hc, H]
+        key = stream_norm(self.ops, self.key_proj(embedded), self.norm_key, self.hc, self.eps)  # [T, hc, H]
         value = self.value_proj(embedded)  # [T, H]
-        gate = (key * self._norm(streams, self.norm_query)).sum(axis=-1) / np.float32(np.sqrt(H))  # [T, hc]
+        gate = (key * stream_norm(self.ops, streams, self.norm_query, self.hc, self.eps)).sum(axis=-1) / np.float32(np.sqrt(H))  # [T, hc]
         gate = np.sqrt(np.maximum(np.abs(gate), 1e-6)) * np.sign(gate)
         gated = (sigmoid(gate)[:, :, None] * value[:, None, :]).reshape(T, -1)  # [T, hc * H]
-        window = np.concatenate([state.conv, self._norm(gated, self.norm_conv).reshape(T, -1)])
+        window = np.concatenate([state.conv, stream_norm(self.ops, gated, self.norm_conv, self.hc, self.eps).reshape(T, -1)])
         K, d = self.conv.shape[1], self.dilation
         conv = sum(window[k * d : k * d + T] * self.conv[:, k] for k in range(K))  # tap k reads x[t - (K-1-k) d]
         short = T <= MAX_ROWS  # a decode or verify call keeps its windows for a rollback
@@ -180,9 +177,9 @@ class Indexer:
     def selected(self, q: np.ndarray, cache: IndexedKVCache, row: int) -> np.ndarray:
         """Cache rows the query of cache row `row` reads: its top blocks, in order, and the tail."""
         complete = (row + 1) // self.ratio
-        tail = np.arange(complete * self.ratio, row + 1)
         if complete <= self.top_blocks:
             return np.arange(row + 1)
+        tail = np.arange(complete * self.ratio, row + 1)
         scores = np.maximum(q @ cache.blocks[:complete].T, 0).sum(axis=0)  # [complete]: relu summed over heads
         top = np.sort(np.argsort(-scores, kind="stable")[: self.top_blocks])  # ties: the earlier block
         return np.concatenate([(top[:, None] * self.ratio + np.arange(self.ratio)).ravel(), tail])
@@ -211,16 +208,13 @@ class IndexedAttention:
         past = cache.length  # blocks and selections count cache rows; the MTP layer's sit one position on
         cache.kv.append(k.transpose(1, 0, 2), a.v_proj(x).reshape(T, kv_heads, hd).transpose(1, 0, 2))
         index_q = self.indexer.queries(x, cache, pos, first, offset=pos - past)  # [T - first, index heads, d]
-        group, out = heads // kv_heads, np.empty((T - first, heads, hd), np.float32)
+        out = np.empty((T - first, heads * hd), np.float32)
         for i, row in enumerate(range(past + first, past + T)):
             tokens = self.indexer.selected(index_q[i], cache, row)
             keys, values = cache.kv.rows(row + 1)
-            keys, values = keys[:, tokens], values[:, tokens]  # [kv, n, hd]
-            for h in range(kv_heads):
-                rows = q[i, h * group : (h + 1) * group]  # the query heads reading KV head h
-                probs = softmax((rows @ keys[h].T) * hd**-0.5, axis=-1)
-                out[i, h * group : (h + 1) * group] = probs @ values[h]
-        return a.o_proj(out.reshape(T - first, heads * hd) * sigmoid(gate))
+            # the row attends every selected token: as the last of them, nothing is masked
+            out[i] = attend(q[i : i + 1], keys[:, tokens], values[:, tokens], len(tokens) - 1)[0]
+        return a.o_proj(out * sigmoid(gate))
 
 
 @dataclass
@@ -290,7 +284,7 @@ class FlashNextModel(Model):
         ids = np.asarray(next_tokens, dtype=np.int64)
         T = len(ids)
         e = head.fc_embedding(ops.rms_norm(self.embed[ids], head.norm_embedding, eps))  # [T, H]
-        h = ops.rms_norm(hidden.reshape(T, hc, -1), head.norm_hidden.reshape(hc, -1), eps).reshape(T * hc, -1)
+        h = stream_norm(ops, hidden, head.norm_hidden, hc, eps).reshape(T * hc, -1)
         streams = (head.fc_hidden(h).reshape(T, hc, -1) + e[:, None, :]).reshape(T, -1)
         streams = head.layer(streams, state.layers[0], ops.mtp_position(state, T), ids)
         state.advance(T)
