@@ -243,13 +243,7 @@ def per_expert_matrices(read, plan: TensorPlan):
 def copied_as_stored(ckpt: SafetensorsCheckpoint, plan: TensorPlan) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
     """Flash-Next's n-gram table shards and int64 hash constants, byte for byte: no format codes them."""
     names = [*plan.integers, *(name for shards in plan.tables.values() for name in shards)]
-    out = {}
-    for name in names:
-        info = ckpt.info(name)
-        with open(ckpt.file_of(name), "rb") as handle:
-            handle.seek(info.begin)
-            out[name] = info.dtype, info.shape, handle.read(info.nbytes)
-    return out
+    return {name: stored_bytes(ckpt, name) for name in names}
 
 
 FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
@@ -270,11 +264,16 @@ def expert_matrices(name: str, value: np.ndarray) -> dict[str, np.ndarray]:
 def raw_tensor(ckpt: SafetensorsCheckpoint, name: str, value: np.ndarray) -> tuple[str, tuple[int, ...], bytes]:
     """A tensor kept as the source stores it (bf16 stays bf16); split experts are written in fp32."""
     if name in ckpt and ckpt.info(name).dtype in ("BF16", "F16", "F32"):
-        info = ckpt.info(name)
-        with open(ckpt.file_of(name), "rb") as handle:
-            handle.seek(info.begin)
-            return info.dtype, info.shape, handle.read(info.nbytes)
+        return stored_bytes(ckpt, name)
     return "F32", value.shape, np.ascontiguousarray(value, np.float32).tobytes()
+
+
+def stored_bytes(ckpt: SafetensorsCheckpoint, name: str) -> tuple[str, tuple[int, ...], bytes]:
+    """(dtype, shape, data) of a tensor exactly as its file holds it."""
+    info = ckpt.info(name)
+    with open(ckpt.file_of(name), "rb") as handle:
+        handle.seek(info.begin)
+        return info.dtype, info.shape, handle.read(info.nbytes)
 
 
 def compressed_tensors_config(ignore: list[str]) -> dict:
