@@ -386,23 +386,20 @@ async def test_settings_change_the_engine_and_host_tables_ask_before_reloading(m
     async with app.run_test(size=SIZE) as pilot:
         screen = await send(pilot, "hello")
         lm = screen.host.lm
-        await pilot.press("ctrl+s")
-        dialog = app.screen
-        dialog.query_one("#draft", Select).value = "ngram"
-        dialog.query_one("#depth", Select).value = "2"
-        dialog.query_one("#kv", Select).value = "q4"
-        dialog.query_one("#context", Input).value = "999999999"
-        await pilot.press("ctrl+s")
-        await pilot.pause()
+
+        async def save_engine_settings(context: str) -> None:
+            await pilot.press("ctrl+s")
+            dialog = app.screen
+            dialog.query_one("#draft", Select).value = "ngram"
+            dialog.query_one("#depth", Select).value = "2"
+            dialog.query_one("#kv", Select).value = "q4"
+            dialog.query_one("#context", Input).value = context
+            await pilot.press("ctrl+s")
+            await pilot.pause()
+
+        await save_engine_settings("999999999")
         assert "context budget must be from 2 to 4,096 tokens" in last_note(app).message
-        await pilot.press("ctrl+s")
-        dialog = app.screen
-        dialog.query_one("#draft", Select).value = "ngram"
-        dialog.query_one("#depth", Select).value = "2"
-        dialog.query_one("#kv", Select).value = "q4"
-        dialog.query_one("#context", Input).value = "1,000"
-        await pilot.press("ctrl+s")
-        await pilot.pause()
+        await save_engine_settings("1,000")
         options = screen.host.reply_options(app.config)
         assert (options.draft, options.depth, options.kv, screen.host.budget) == ("ngram", 2, "q4", 1000)
         assert "/ 1,000" in str(screen.query_one("#context-label", Label).render()) and screen.host.lm is lm

@@ -58,7 +58,8 @@ class ReadoutLine(Label):
     """The readout in one line, under the conversation when the panel is folded away (a narrow
     terminal): decode speed, tokens a cycle, acceptance, route, rule and context, all in words."""
 
-    def on_mount(self) -> None:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.parts: dict[str, str] = {}
 
     def set(self, readout: Readout | None = None, route: str | None = None, accept: str | None = None,
