@@ -63,7 +63,7 @@ def summary_line(stats, finish: str) -> str:
             f"{stats.tokens_per_cycle:.2f} tokens/cycle · "
             f"{stats.accepted}/{stats.drafted} drafts kept ({stats.n_lossy} lossy) · "
             + (f"experts {stats.expert_hit_rate:.1%} on the card, {stats.host_bytes_per_token / 1e6:.2f} MB a token "
-               f"from RAM, {stats.n_skipped} skipped · " if stats.expert_hits + stats.expert_misses + stats.n_skipped else "")
+               f"from RAM, {stats.n_skipped} skipped · " if stats.routed_experts else "")
             + f"{finish}]")
 
 

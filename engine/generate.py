@@ -102,6 +102,11 @@ class Stats:
         return self.n_lossy / self.drafted if self.drafted else 0.0
 
     @property
+    def routed_experts(self) -> bool:
+        """Whether the decode passes counted routed experts (a MoE model)."""
+        return self.expert_hits + self.expert_misses + self.n_skipped > 0
+
+    @property
     def expert_hit_rate(self) -> float:
         routes = self.expert_hits + self.expert_misses
         return self.expert_hits / routes if routes else 0.0
@@ -147,7 +152,7 @@ class Stats:
             "routes": list(self.routes),
             "rules": list(self.rules),
         } | ({"expert_hit_rate": round(self.expert_hit_rate, 4), "host_bytes_per_token": round(self.host_bytes_per_token),
-              "n_skipped": self.n_skipped} if self.expert_hits + self.expert_misses + self.n_skipped else {})
+              "n_skipped": self.n_skipped} if self.routed_experts else {})
 
     def ran(self, route: str, rule: str | None = None) -> None:
         """Note the route (and rule) of a pass when it differs from the previous pass's."""
