@@ -21,13 +21,13 @@ from typing import Protocol
 
 from duet.app.settings import FRESH_SEED
 from duet.app.store import Conversation, Message, Store
+from duet.engine.speculative import MTPDrafter, depth_cap
 from duet.engine import (
     Accept, Draft, DuetError, Finished, GenerateOptions, KVCache, LoadedModel, LoadProgress, Route, SamplingParams,
     Stats, Switches, Tokens, generate, load_model,
 )
 
 BATCH_SECONDS = 0.05
-MAX_KEYED_DEPTH = 4  # the depth key cycles adaptive, 1..4: an MTP head's cap (n-gram goes to 7 by flag)
 LOAD_PROGRESS_STEP = 0.02  # report load progress at most every 2% of the bytes
 WARN_SHARE = 0.8  # the context meter warns from this share of the budget on
 TITLE_CHARS = 48
@@ -309,15 +309,21 @@ class EngineHost:
         return reply_options(settings, self.budget, self.choices, self.switches.accept)
 
     def next_draft(self) -> Draft:
-        """The next drafter for the following replies: auto, mtp (with an MTP head), ngram, none."""
+        """The next drafter for the following replies: auto, mtp (with an MTP head), ngram, none. A fixed
+        depth past the new drafter's cap comes down to it (no drafts keep it, unused)."""
         kinds = [d for d in Draft if d != Draft.MTP or (self.lm is not None and self.lm.model.mtp is not None)]
-        return self._choose(draft=kinds[(kinds.index(self.choices.draft) + 1) % len(kinds)] if self.choices.draft in kinds
-                            else Draft.AUTO).draft
+        draft = kinds[(kinds.index(self.choices.draft) + 1) % len(kinds)] if self.choices.draft in kinds else Draft.AUTO
+        depth, cap = self.choices.depth, self.depth_cap(draft)
+        return self._choose(draft=draft, depth=min(depth, cap) if depth is not None and cap else depth).draft
 
     def next_depth(self) -> int | None:
-        """Drafts a cycle for the following replies: adaptive (None), then 1 to MAX_KEYED_DEPTH."""
-        depth = self.choices.depth
-        return self._choose(depth=1 if depth is None else None if depth >= MAX_KEYED_DEPTH else depth + 1).depth
+        """Drafts a cycle for the following replies: adaptive (None), then 1 to the drafter's cap."""
+        depth, cap = self.choices.depth, self.depth_cap(self.choices.draft)
+        return self._choose(depth=1 if depth is None and cap else None if depth is None or depth >= cap else depth + 1).depth
+
+    def depth_cap(self, draft: Draft) -> int:
+        """Most drafts a cycle `draft` can ask for; before a model is loaded, an MTP head's."""
+        return depth_cap(draft, self.lm.model) if self.lm is not None else MTPDrafter.depth_cap
 
     def next_kv(self) -> KVCache:
         """The following replies' KV cache: each type the engine runs, in turn."""
@@ -331,6 +337,9 @@ class EngineHost:
         if context is not None and self.lm is not None and not 2 <= context <= self.lm.config.max_position_embeddings:
             raise DuetError(f"the context budget must be from 2 to {self.lm.config.max_position_embeddings:,} tokens "
                             f"(got {context:,})")
+        cap = self.depth_cap(choices.draft)
+        if choices.depth is not None and cap and not 1 <= choices.depth <= cap:  # no drafts: depth unused
+            raise DuetError(f"{choices.draft} drafts take a depth of auto or 1 to {cap} (got {choices.depth})")
         self.choices = dataclasses.replace(choices, host_tables=self.choices.host_tables)
         self.context = context
         return choices.host_tables != self.choices.host_tables

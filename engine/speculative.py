@@ -165,11 +165,22 @@ def _draw_draft(logits: np.ndarray, sampler: Sampler, previous: list[int]) -> tu
     return sampler.draw(q), q
 
 
-def make_drafter(kind: str, model: Model):
+def drafter_kind(kind: str, model: Model) -> str:
+    """The drafter a choice names: auto is the checkpoint's MTP head where it has one, else n-gram lookup."""
     if kind not in DRAFTERS:
         raise DuetError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")
     if kind == "auto":
-        kind = "mtp" if model.mtp is not None else "ngram"
+        return "mtp" if model.mtp is not None else "ngram"
+    return kind
+
+
+def depth_cap(kind: str, model: Model) -> int:
+    """Most drafts a cycle may ask of the drafter `kind` names (0: it drafts nothing)."""
+    return {"mtp": MTPDrafter, "ngram": NgramDrafter}.get(drafter_kind(kind, model), NoDrafter).depth_cap
+
+
+def make_drafter(kind: str, model: Model):
+    kind = drafter_kind(kind, model)
     if kind == "mtp":
         if model.mtp is None:
             raise DuetError("this checkpoint has no MTP head (no mtp.* tensors); use --draft ngram or none")

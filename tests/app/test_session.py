@@ -3,6 +3,7 @@ options, on a tiny real model."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -176,6 +177,55 @@ def test_the_host_loads_with_progress_and_holds_budget_route_and_switches(store,
     session = host.session(store, store.create_conversation().id)
     assert session.switches is host.switches and session.context_budget == host.budget
     assert EngineHost(Launch(folder, context=96)).budget == 96
+
+
+def test_the_depth_key_reaches_each_drafters_cap_and_a_depth_past_it_is_one_line(store, tmp_path_factory):
+    """The depth key cycles auto, 1 .. the cap the engine takes for the drafter chosen (an MTP head 4,
+    n-gram 7), a drafter with a lower cap brings a deeper fixed depth down to it, and the settings'
+    depth past the cap is refused before a reply: the engine itself takes the cap and refuses one more."""
+    from conftest import add_random_mtp_head
+
+    ref = build_reference("qwen3_5_text", seed=5)
+    folder = save_reference(ref, tmp_path_factory.mktemp("host") / "mtp")
+    add_random_mtp_head(folder, ref, seed=6)
+    host = EngineHost(Launch(folder, choices=EngineChoices(draft=Draft.AUTO)))
+    host.use(load_model(folder))
+
+    def keyed_depths() -> list[int | None]:
+        return [host.next_depth() for _ in range(9)]
+
+    def replies_at(depth: int) -> bool:
+        options = dataclasses.replace(host.reply_options(Config(max_tokens=4, temperature=0)), depth=depth)
+        session = new_session(store, host.lm)
+        session.add_user_message("one two three one two three one two")
+        try:
+            reply(session, options)
+        except DuetError as error:
+            assert f"--depth must be between 1 and {depth - 1}" in str(error)
+            return False
+        return True
+
+    caps = {}
+    for draft in (Draft.AUTO, Draft.MTP, Draft.NGRAM):
+        host.choices = EngineChoices(draft=draft)
+        depths = keyed_depths()
+        caps[draft] = cap = max(d for d in depths if d is not None)
+        assert depths[: cap + 2] == [*range(1, cap + 1), None, 1]
+        assert replies_at(cap) and not replies_at(cap + 1)
+    assert caps == {Draft.AUTO: 4, Draft.MTP: 4, Draft.NGRAM: 7}
+
+    host.choices = EngineChoices(draft=Draft.NGRAM, depth=6)
+    assert host.next_draft() == Draft.NONE and host.choices.depth == 6  # no drafts: kept, unused
+    host.choices = EngineChoices(draft=Draft.MTP, depth=3)
+    host.next_draft()
+    assert (host.choices.draft, host.choices.depth) == (Draft.NGRAM, 3)
+    host.choices = EngineChoices(draft=Draft.NGRAM, depth=7)
+    host.next_draft(), host.next_draft()
+    assert (host.choices.draft, host.choices.depth) == (Draft.AUTO, 4)
+    with pytest.raises(DuetError, match=r"^mtp drafts take a depth of auto or 1 to 4 \(got 7\)$"):
+        host.set_engine(EngineChoices(draft=Draft.MTP, depth=7), None)
+    assert host.choices.depth == 4  # refused: nothing changed
+    host.set_engine(EngineChoices(draft=Draft.NONE, depth=7), None)  # no drafts: depth unused
 
 
 @pytest.mark.parametrize("text,expected", [
