@@ -1,4 +1,5 @@
-"""Flags that take one of the engine's words (engine.choices), for every command that has them."""
+"""The engine's flags (model, route, acceptance, drafts, KV cache, context), for every command that runs
+a model, and flags that take one of the engine's words (engine.choices)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import argparse
 from collections.abc import Iterable
 from enum import StrEnum
 
-from duet.engine import KVCache
+from duet.app.session import EngineChoices
+from duet.engine import Accept, Draft, DuetError, KVCache, Route, check_moe_skip
 
 RUNNABLE_KV = tuple(kv for kv in KVCache if kv.runs)
 # What to say, instead of "invalid choice", to a KV cache word a command does not take.
@@ -30,3 +32,43 @@ def choice(words: Iterable[StrEnum], retired: dict[str, str] | None = None) -> d
         raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {names})")
 
     return {"type": one_of, "choices": allowed}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose a model and how the engine runs it: `duet`, `duet --headless`, `duet serve`."""
+    parser.add_argument("--model", help="model folder (default: the bundled demo model)")
+    parser.add_argument("--route", **choice(Route), default=Route.AUTO,
+                        help="kernel route: auto picks the checkpoint's natural one (bf16 for float weights, "
+                             "w4a16 for INT4 safetensors, w4a8 for quantized GGUF)")
+    parser.add_argument("--accept", **choice(Accept), default=Accept.EXACT,
+                        help="speculative acceptance: exact keeps the model's distribution, lossy keeps more drafts")
+    parser.add_argument("--context", type=int, help="token budget for prompt + reply (default: the model's)")
+    parser.add_argument("--kv", **choice(RUNNABLE_KV, RENAMED_KV | PLANNING_ONLY_KV), default=KVCache.BF16,
+                        help="attention KV cache: bf16 (16-bit rows; the CPU keeps fp32), or q4 (4-bit, "
+                             "Hadamard-rotated, exact sink and recent rows)")
+    parser.add_argument("--host-tables", action="store_true",
+                        help="rank the vocabulary with an int4 copy of the head and rescore the best 64 with the "
+                             "bf16 rows, as on a card whose bf16 tables live in host memory: greedy ids unchanged, "
+                             "sampling limited to those 64")
+    parser.add_argument("--moe-skip", type=float, default=0.0, metavar="BUDGET",
+                        help="MoE, lossy: skip off-card experts of a row within this share of its router weight, "
+                             "its first five routes kept (llamAmpere's --moe-skip; needs --accept lossy)")
+    parser.add_argument("--draft", **choice(Draft), default=Draft.AUTO,
+                        help="drafter: auto uses the MTP head when the checkpoint has one, else n-gram lookup")
+    parser.add_argument("--depth", default="auto",
+                        help="drafts per cycle: auto (adaptive) or a number up to 4 (MTP) / 7 (n-gram)")
+
+
+def engine_choices(args: argparse.Namespace) -> EngineChoices:
+    """The engine choices of `duet`, `duet --headless` and `duet serve` (`--draft`, `--depth`, `--kv`,
+    `--host-tables`, `--moe-skip`)."""
+    check_moe_skip(args.moe_skip, args.accept)
+    return EngineChoices(args.draft, parse_depth(args.depth), args.kv, args.host_tables, args.moe_skip)
+
+
+def parse_depth(value: str) -> int | None:
+    if value == "auto":
+        return None
+    if not value.isdigit():
+        raise DuetError(f"--depth takes auto or a whole number (got {value!r})")
+    return int(value)

@@ -6,6 +6,7 @@
     duet models {list,pull,rm,info,census,import} the catalog, downloads and models on disk
     duet --paths                          where config, conversations and models live
     duet convert SRC DST --format F       a HF checkpoint to INT4 safetensors or GGUF
+    duet serve [--port N]                 an OpenAI-compatible endpoint (app/serve.py)
 
 User errors (DuetError, bad arguments) print one line on stderr and exit 2; Ctrl-C exits 130.
 """
@@ -16,16 +17,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from duet.app.arguments import PLANNING_ONLY_KV, RENAMED_KV, RUNNABLE_KV, choice
+from duet.app.arguments import add_engine_arguments, engine_choices
 from duet.app.bench import BENCHMARKS, add_bench_commands
 from duet.app.catalog import find_local
-from duet.app.session import EngineChoices, Launch
+from duet.app.session import Launch
 from duet.app.settings import Config, Paths, bundled_demo_model, load_config, user_paths
-from duet.engine import Accept, Draft, DuetError, KVCache, Route, check_moe_skip
+from duet.engine import DuetError
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
-SUBCOMMANDS = ("bench", "models", "convert")
+SUBCOMMANDS = ("bench", "models", "convert", "serve")
 HEADLESS_ONLY = ("raw", "json", "max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                  "presence_penalty", "seed")
 
@@ -89,6 +90,10 @@ def _run_subcommand(argv: list[str]) -> int:
     from duet.app.convert import add_convert_command
 
     add_convert_command(convert)
+    serve = commands.add_parser("serve", help="an OpenAI-compatible endpoint on this machine, one request at a time")
+    from duet.app.serve import add_serve_command
+
+    add_serve_command(serve)
     args = parser.parse_args(argv)
     return args.run(args)
 
@@ -99,35 +104,16 @@ def main_parser() -> OneLineParser:
         description="Chat with Qwen3.5-family models. Without --headless, opens the chat UI.",
         # One command a line, as written: argparse's wrapping would break a name at its hyphen.
         epilog="Also:\n  duet models {list,pull,rm,info,census,import}\n  duet convert SRC DST --format FORMAT\n"
+               "  duet serve [--port N]\n"
                f"  duet bench {{{','.join(b.name for b in BENCHMARKS)}}}\n(each with --help)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", help="model folder (default: the bundled demo model)")
-    parser.add_argument("--route", **choice(Route), default=Route.AUTO,
-                        help="kernel route: auto picks the checkpoint's natural one (bf16 for float weights, "
-                             "w4a16 for INT4 safetensors, w4a8 for quantized GGUF)")
-    parser.add_argument("--accept", **choice(Accept), default=Accept.EXACT,
-                        help="speculative acceptance: exact keeps the model's distribution, lossy keeps more drafts")
+    add_engine_arguments(parser)
     parser.add_argument("--headless", metavar="PROMPT", help="answer one prompt without the UI and exit")
     parser.add_argument("--paths", action="store_true", help="print where duet keeps config, conversations and models")
     parser.add_argument("--raw", action="store_true", help="tokenize the prompt as is, no chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout at the end")
     parser.add_argument("--max-tokens", type=int, default=512, help="most tokens to generate (default 512)")
-    parser.add_argument("--context", type=int, help="token budget for prompt + reply (default: the model's)")
-    parser.add_argument("--kv", **choice(RUNNABLE_KV, RENAMED_KV | PLANNING_ONLY_KV), default=KVCache.BF16,
-                        help="attention KV cache: bf16 (16-bit rows; the CPU keeps fp32), or q4 (4-bit, "
-                             "Hadamard-rotated, exact sink and recent rows)")
-    parser.add_argument("--host-tables", action="store_true",
-                        help="rank the vocabulary with an int4 copy of the head and rescore the best 64 with the "
-                             "bf16 rows, as on a card whose bf16 tables live in host memory: greedy ids unchanged, "
-                             "sampling limited to those 64")
-    parser.add_argument("--moe-skip", type=float, default=0.0, metavar="BUDGET",
-                        help="MoE, lossy: skip off-card experts of a row within this share of its router weight, "
-                             "its first five routes kept (llamAmpere's --moe-skip; needs --accept lossy)")
-    parser.add_argument("--draft", **choice(Draft), default=Draft.AUTO,
-                        help="drafter: auto uses the MTP head when the checkpoint has one, else n-gram lookup")
-    parser.add_argument("--depth", default="auto",
-                        help="drafts per cycle: auto (adaptive) or a number up to 4 (MTP) / 7 (n-gram)")
     sampling = parser.add_argument_group("sampling (default: greedy)")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     sampling.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
@@ -137,21 +123,6 @@ def main_parser() -> OneLineParser:
     sampling.add_argument("--presence-penalty", type=float, default=0.0)
     sampling.add_argument("--seed", type=int, help="seed for sampling (reproducible runs)")
     return parser
-
-
-def engine_choices(args: argparse.Namespace) -> EngineChoices:
-    """The engine choices of `duet` and `duet --headless` (`--draft`, `--depth`, `--kv`, `--host-tables`,
-    `--moe-skip`)."""
-    check_moe_skip(args.moe_skip, args.accept)
-    return EngineChoices(args.draft, parse_depth(args.depth), args.kv, args.host_tables, args.moe_skip)
-
-
-def parse_depth(value: str) -> int | None:
-    if value == "auto":
-        return None
-    if not value.isdigit():
-        raise DuetError(f"--depth takes auto or a whole number (got {value!r})")
-    return int(value)
 
 
 def chat_model_path(name: str | None, config: Config, paths: Paths) -> Path:
