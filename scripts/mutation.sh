@@ -33,6 +33,10 @@ process_isolation = "forkserver"
 timeout_constant = 60.0
 TOML
 cd "$stage"
+# mutmut forks each mutant's run from a process that has already run the tests once: a thread pool
+# (torch's OpenMP, OpenBLAS) started before the fork is dead in the child, and the first parallel
+# region waits on it forever (seen in transformers' forward). One thread each: no pool to inherit.
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
 # mutmut redraws a progress line hundreds of times: keep it in a log, print the summary below.
 mutmut run --max-children "${MUTATION_JOBS:-2}" >"$stage/run.log" 2>&1 || true
 mutmut results --all true >"$stage/results.txt" || true
