@@ -527,25 +527,25 @@ def run_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     if not 0 <= args.port <= 65535:
         raise DuetError(f"--port must be from 0 to 65535 (got {args.port})")
-    listener = bind(args.host, args.port)
-    bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
-    lm = load_model(chat_model_path(args.model, config, paths), progress=bar, route=args.route,
-                    host_tables=choices.host_tables)
-    if bar:
-        bar.close()
-    budget = args.context or lm.config.max_position_embeddings
-    if not 2 <= budget <= lm.config.max_position_embeddings:
-        raise DuetError(f"--context must be from 2 to {lm.config.max_position_embeddings:,} tokens (got {budget:,})")
-    log = lambda line: print(f"duet serve: {line}", file=sys.stderr, flush=True)  # noqa: E731
-    engine = EngineQueue(lm, log)
-    app = build_app(engine, ServeSettings(config, choices, args.accept, Route(lm.route), budget), api_key)
-    host, port = listener.getsockname()[:2]
-    log(f"{lm.name} on the {lm.route} route at http://{_url_host(host)}:{port}/v1 "
-        f"(one request at a time; {'a key is required' if api_key else 'no key'}); Ctrl-C stops")
-    if args.host not in LOOPBACK and not api_key:
-        log(f"listening beyond this machine without a key: anyone who reaches {args.host} can use the model "
-            f"(set --api-key or {API_KEY_VARIABLE})")
-    serve(app, engine, listener)
+    with bind(args.host, args.port) as listener:  # first: a taken port is said before a long load
+        bar = ProgressBar(sys.stderr) if sys.stderr.isatty() else None
+        lm = load_model(chat_model_path(args.model, config, paths), progress=bar, route=args.route,
+                        host_tables=choices.host_tables)
+        if bar:
+            bar.close()
+        budget = args.context or lm.config.max_position_embeddings
+        if not 2 <= budget <= lm.config.max_position_embeddings:
+            raise DuetError(f"--context must be from 2 to {lm.config.max_position_embeddings:,} tokens (got {budget:,})")
+        log = lambda line: print(f"duet serve: {line}", file=sys.stderr, flush=True)  # noqa: E731
+        engine = EngineQueue(lm, log)
+        app = build_app(engine, ServeSettings(config, choices, args.accept, Route(lm.route), budget), api_key)
+        host, port = listener.getsockname()[:2]
+        log(f"{lm.name} on the {lm.route} route at http://{_url_host(host)}:{port}/v1 "
+            f"(one request at a time; {'a key is required' if api_key else 'no key'}); Ctrl-C stops")
+        if args.host not in LOOPBACK and not api_key:
+            log(f"listening beyond this machine without a key: anyone who reaches {args.host} can use the model "
+                f"(set --api-key or {API_KEY_VARIABLE})")
+        serve(app, engine, listener)
     return 0
 
 

@@ -282,3 +282,15 @@ def test_ctrl_c_stops_the_server_while_a_reply_streams(endless_model):
         assert "Traceback" not in err and KEY not in first + err
     finally:
         server.kill()
+
+
+def test_a_taken_port_or_a_budget_past_the_model_is_one_line(tiny_model, capsys):
+    taken = bind("127.0.0.1", 0)
+    try:
+        assert main(["serve", "--model", str(tiny_model), "--port", str(taken.getsockname()[1])]) == 2
+        assert re.fullmatch(r"duet: cannot listen on 127\.0\.0\.1:\d+: .+; choose another --port or --host\n",
+                            capsys.readouterr().err)
+    finally:
+        taken.close()
+    assert main(["serve", "--model", str(tiny_model), "--port", "0", "--context", "999999"]) == 2
+    assert capsys.readouterr().err == "duet: --context must be from 2 to 4,096 tokens (got 999,999)\n"
