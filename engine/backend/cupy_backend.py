@@ -88,6 +88,8 @@ class RowSlicedLinear:
 
     def __call__(self, x) -> cp.ndarray:
         x = _device_f32(x)
+        if x.shape[0] <= MAX_ROWS:  # a decode or verify pass: the kernel's output is the result, no copy
+            return self.run_rows(x)
         out = cp.empty((x.shape[0], self.N), cp.float32)
         for rows in _row_slices(x.shape[0]):
             out[rows] = self.run_rows(x[rows])
@@ -240,12 +242,24 @@ def rms_norm(x, weight, eps: float) -> cp.ndarray:
 
 
 def gated_rms_norm(x, z, weight, eps: float) -> cp.ndarray:
-    """DeltaNet's gated norm per value head: x, z [R, D] -> rms_norm(x, w) * silu(z)."""
-    x, z = _device_f32(x), _device_f32(z)
-    R, D = x.shape
-    y = cp.empty_like(x)
-    kernel("norms", "gated_rms_norm")((R,), (128,), (x, z, _device_f32(weight), y, _i32(D), _f32(eps)))
+    """DeltaNet's gated norm per value head: x [T, heads, D], z [T, heads * D] (rows may be wider:
+    read in place) -> rms_norm(x, w) * silu(z) [T, heads * D]."""
+    x = _device_f32(x)
+    T, heads, D = x.shape
+    z, z_stride = _rows(z)
+    y = cp.empty((T, heads * D), cp.float32)
+    kernel("norms", "gated_rms_norm")((T * heads,), (128,),
+                                      (x, z, _device_f32(weight), y, _i32(D), _f32(eps), _i32(heads), _i64(z_stride)))
     return y
+
+
+def _rows(x) -> tuple[cp.ndarray, int]:
+    """A 2-D fp32 input a kernel reads row by row in place, and its row stride in elements: columns
+    taken from wider rows cost no copy."""
+    if isinstance(x, cp.ndarray) and x.dtype == cp.float32 and x.ndim == 2 and x.strides[1] == 4:
+        return x, x.strides[0] // 4
+    x = _device_f32(x)
+    return x, x.shape[1]
 
 
 def l2_norm_heads(x, heads: int, head_dim: int, scale: float = 1.0, offset: int = 0) -> cp.ndarray:
@@ -309,31 +323,39 @@ class DeltaNetState:
 
 
 def causal_conv(mixed, taps, state: DeltaNetState) -> cp.ndarray:
-    """Depthwise causal conv then SiLU over mixed [T, C] (T <= 16), taps [C, KW]; updates state."""
-    mixed = _device_f32(mixed)
+    """Depthwise causal conv then SiLU over mixed [T, C] (T <= 16; rows may be wider: read in place),
+    taps [C, KW]; updates state."""
+    mixed, stride = _rows(mixed)
     T, C = mixed.shape
-    out = cp.empty_like(mixed)
+    out = cp.empty((T, C), cp.float32)
     KW = taps.shape[1]
     kernel("deltanet", "causal_conv_silu")((_blocks(C, 256),), (256,),
-                                           (mixed, _device_f32(taps), state.conv, state.window, out, _i32(T), _i32(C), _i32(KW)))
+                                           (mixed, _device_f32(taps), state.conv, state.window, out, _i32(T), _i32(C),
+                                            _i32(KW), _i64(stride)))
     return out
 
 
 def delta_rule_rows(q, k, v, b, a, decay_rate, dt_bias, state: DeltaNetState) -> cp.ndarray:
     """The gated delta rule row by row (T <= 16), S after every row kept in state.row_states.
 
-    q, k [T, Hk, dk] L2-normalised (q times dk^-0.5); v [T, Hv, dv]; b, a [T, Hv] raw in_proj_b/a
-    outputs (beta = sigmoid(b), g = decay_rate * softplus(a + dt_bias)). Returns [T, Hv, dv].
+    q, k [T, Hk, dk] L2-normalised (q times dk^-0.5); v [T, Hv * dv]; b, a [T, Hv] raw in_proj_b/a
+    outputs (beta = sigmoid(b), g = decay_rate * softplus(a + dt_bias)); v, b and a may be columns
+    of wider rows, read in place (b and a of the same rows). Returns [T, Hv, dv].
     """
-    q, k, v, b, a = (_device_f32(t) for t in (q, k, v, b, a))
+    q, k = _device_f32(q), _device_f32(k)
+    (v, v_stride), (b, ba_stride), (a, a_stride) = _rows(v), _rows(b), _rows(a)
+    if a_stride != ba_stride:  # the kernel takes one stride for both: compact rows of each
+        b, a, ba_stride = cp.ascontiguousarray(b), cp.ascontiguousarray(a), b.shape[1]
     T, Hk, dk = q.shape
-    Hv, dv = v.shape[1], v.shape[2]
+    Hv = b.shape[1]
+    dv = v.shape[1] // Hv
     if dk not in (32, 64, 128) or dv % 32:
         raise ValueError(f"deltanet kernel takes key dims 32, 64, 128 and value dims of 32s, got {dk}, {dv}")
     out = cp.empty((T, Hv, dv), cp.float32)
     kernel("deltanet", f"deltanet_rows_dk{dk}")((Hv, dv // 32), (128,),
                                                (q, k, v, b, a, _device_f32(decay_rate), _device_f32(dt_bias),
-                                                state.recurrent, state.row_states, out, _i32(T), _i32(Hk), _i32(Hv), _i32(dv)))
+                                                state.recurrent, state.row_states, out, _i32(T), _i32(Hk), _i32(Hv), _i32(dv),
+                                                _i64(v_stride), _i64(ba_stride)))
     return out
 
 
@@ -349,6 +371,7 @@ class KVCache:
         self.keys = cp.zeros((kv_heads, capacity, head_dim), cp.uint16)
         self.values = cp.zeros_like(self.keys)
         self.length = 0
+        self.signs = cp.ones(head_dim, cp.float32)  # the combine's rotation signs, unread here: no slot is rotated
 
     def append(self, k, v, start: cp.ndarray) -> None:
         """k, v [T, kv, hd] at positions start[0] + t (start[0] == self.length)."""
@@ -432,12 +455,12 @@ def attend(q, cache: KVCache | Q4KVCache, start: cp.ndarray, past: int) -> cp.nd
             (chunks, heads, T), (128,),
             (q, cache.keys, cache.values, _i32(capacity), start, _i32(heads), _i32(kv), _i32(ATTENTION_CHUNK), scale,
              part_ml, part_acc, _i32(chunks)))
-        n_plain, n_slots, signs = chunks, chunks, cp.ones(hd, cp.float32)  # read only for rotated slots: none here
+        n_plain, n_slots = chunks, chunks
     else:
         kv, capacity = cache.key_codes.shape[0], cache.key_codes.shape[1]
         exact_chunks = _blocks(SINK_ROWS + RECENT_ROWS, ATTENTION_CHUNK)
         q4_chunks = max(1, _blocks(max(0, end - RECENT_ROWS - SINK_ROWS), ATTENTION_CHUNK))
-        n_plain, n_slots, signs = exact_chunks, exact_chunks + q4_chunks, cache.signs
+        n_plain, n_slots = exact_chunks, exact_chunks + q4_chunks
         part_ml = cp.empty((T, heads, n_slots, 2), cp.float32)
         part_acc = cp.empty((T, heads, n_slots, hd), cp.float32)
         kernel("attention", f"attention_partial_exact_hd{hd}")(
@@ -451,5 +474,5 @@ def attend(q, cache: KVCache | Q4KVCache, start: cp.ndarray, past: int) -> cp.nd
              _i32(n_slots)))
     out = cp.empty((T, heads, hd), cp.float32)
     kernel("attention", "attention_combine")((heads, T), (hd,),
-                                             (part_ml, part_acc, signs, out, _i32(hd), _i32(n_plain), _i32(n_slots)))
+                                             (part_ml, part_acc, cache.signs, out, _i32(hd), _i32(n_plain), _i32(n_slots)))
     return out.reshape(T, heads * hd)

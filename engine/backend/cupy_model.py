@@ -294,30 +294,34 @@ class GpuOps:
         q = gb.qk_norm_rope(q_and_gate, layer.q_norm, self.inv_freq, rows.rope_start, heads, hd, 2 * hd, c.rotary_dim, eps)
         k = gb.qk_norm_rope(k, layer.k_norm, self.inv_freq, rows.rope_start, kv, hd, hd, c.rotary_dim, eps)
         v = v.reshape(T, kv, hd)
-        out = cp.empty((T, heads * hd), cp.float32)
+        parts = []
         for piece, start, past in rows.slices():
             cache.append(k[piece], v[piece], start)
-            out[piece] = gb.attend(q[piece], cache, start, past)
-        return gb.attention_gate(out, q_and_gate, hd)
+            parts.append(gb.attend(q[piece], cache, start, past))
+        return gb.attention_gate(_joined(parts), q_and_gate, hd)
 
     def deltanet(self, layer, projected: cp.ndarray, state: gb.DeltaNetState, rows: Rows) -> cp.ndarray:
         """Gated DeltaNet's core (engine.backend.cpu_ops.CpuOps.deltanet), the recurrence row by row
         with a state after each row: projected [T, q | k | v | z | b | a] -> [T, Hv * dv]."""
         c = layer.config
-        T = projected.shape[0]
         hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         channels = 2 * hk * dk + hv * dv
-        mixed = cp.ascontiguousarray(projected[:, :channels])
-        z = cp.ascontiguousarray(projected[:, channels : channels + hv * dv]).reshape(T * hv, dv)
-        b, a = cp.ascontiguousarray(projected[:, -2 * hv : -hv]), cp.ascontiguousarray(projected[:, -hv:])  # [T, Hv]
-        out = cp.empty((T, hv, dv), cp.float32)
+        # Column ranges of the projection, read in place by the kernels (no copies):
+        mixed, z = projected[:, :channels], projected[:, channels : channels + hv * dv]
+        b, a = projected[:, -2 * hv : -hv], projected[:, -hv:]  # [T, Hv]
+        parts = []
         for piece, _, _ in rows.slices():
             conv = gb.causal_conv(mixed[piece], layer.conv, state)  # [t, channels] after SiLU
             q = gb.l2_norm_heads(conv, hk, dk, dk ** -0.5)  # [t, Hk, dk]; value heads share them in the kernel
             k = gb.l2_norm_heads(conv, hk, dk, 1.0, offset=hk * dk)
-            v = conv[:, 2 * hk * dk:].reshape(-1, hv, dv)
-            out[piece] = gb.delta_rule_rows(q, k, v, b[piece], a[piece], layer.decay_rate, layer.dt_bias, state)
-        return gb.gated_rms_norm(out.reshape(T * hv, dv), z, layer.norm, c.rms_norm_eps).reshape(T, hv * dv)
+            parts.append(gb.delta_rule_rows(q, k, conv[:, 2 * hk * dk:], b[piece], a[piece], layer.decay_rate,
+                                            layer.dt_bias, state))
+        return gb.gated_rms_norm(_joined(parts), z, layer.norm, c.rms_norm_eps)  # [T, Hv * dv]
+
+
+def _joined(parts: list) -> cp.ndarray:
+    """The row slices' outputs as one array: a decode or verify pass has one slice, joined by no copy."""
+    return parts[0] if len(parts) == 1 else cp.concatenate(parts)
 
 
 def capturable(model) -> bool:

@@ -4,18 +4,19 @@
 #include "common.cuh"
 
 // ------------------------------------------------------------------------- causal conv ---
-// mixed [T, C] (in_proj_qkv's output), taps [C, KW] oldest input first, conv_state [KW-1, C].
+// mixed [T, C] (in_proj_qkv's output; row t at mixed + t * in_stride, so it may sit inside the
+// wider rows of the whole in_proj output), taps [C, KW] oldest input first, conv_state [KW-1, C].
 // window [KW-1+T, C] <- conv_state rows then mixed rows (kept for a rollback: the state after row
 // n is window[n : n + KW-1]); out[t, c] = silu(sum_j window[t + j, c] * taps[c, j]), summed
 // j = 0, 1, ... with separate multiply and add roundings as numpy does them; conv_state <- the
 // last KW-1 window rows. One thread per channel. Launch: grid ceil(C / 256), block 256.
 extern "C" __global__ void causal_conv_silu(const float* __restrict__ mixed, const float* __restrict__ taps,
                                             float* __restrict__ conv_state, float* __restrict__ window,
-                                            float* __restrict__ out, int T, int C, int KW) {
+                                            float* __restrict__ out, int T, int C, int KW, long long in_stride) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   for (int j = 0; j < KW - 1; ++j) window[(size_t)j * C + c] = conv_state[(size_t)j * C + c];
-  for (int t = 0; t < T; ++t) window[(size_t)(KW - 1 + t) * C + c] = mixed[(size_t)t * C + c];
+  for (int t = 0; t < T; ++t) window[(size_t)(KW - 1 + t) * C + c] = mixed[(size_t)t * in_stride + c];
   for (int t = 0; t < T; ++t) {
     float sum = 0.0f;
     for (int j = 0; j < KW; ++j) sum = __fadd_rn(sum, __fmul_rn(window[(size_t)(t + j) * C + c], taps[c * KW + j]));
@@ -28,8 +29,10 @@ extern "C" __global__ void causal_conv_silu(const float* __restrict__ mixed, con
 // Per value head h (key head h / (Hv / Hk), repeat-interleave) and row t:
 //   beta = sigmoid(b[t, h]);  g = decay_rate[h] * softplus(a[t, h] + dt_bias[h])
 //   S = e^g S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q
-// q, k [T, Hk, DK] are already L2-normalised (q also times DK^-0.5); v [T, Hv, DV]; S [Hv, DK, DV]
-// fp32, updated in place; snapshots [T, Hv, DK, DV] receives S after every row; out [T, Hv, DV].
+// q, k [T, Hk, DK] are already L2-normalised (q also times DK^-0.5); v [T, Hv, DV] with row t at
+// v + t * v_stride, b and a [T, Hv] with row t at + t * ba_stride (all three read in place from wider
+// rows: the conv output, the in_proj output); S [Hv, DK, DV] fp32, updated in place; snapshots
+// [T, Hv, DK, DV] receives S after every row; out [T, Hv, DV].
 //
 // A block owns 32 value columns of one head: thread (j = tid / 4, part = tid % 4) holds column j's
 // rows part, part + 4, ..., in registers for the whole call, so S is read once and written once
@@ -41,7 +44,7 @@ __device__ void deltanet_rows(const float* __restrict__ q, const float* __restri
                               const float* __restrict__ b, const float* __restrict__ a,
                               const float* __restrict__ decay_rate, const float* __restrict__ dt_bias,
                               float* __restrict__ state, float* __restrict__ snapshots, float* __restrict__ out,
-                              int T, int Hk, int Hv, int DV) {
+                              int T, int Hk, int Hv, int DV, long long v_stride, long long ba_stride) {
   constexpr int R = DK / 4;  // rows per thread
   __shared__ float qk[2][DK];
   const int h = blockIdx.x, hk = h / (Hv / Hk);
@@ -59,8 +62,8 @@ __device__ void deltanet_rows(const float* __restrict__ q, const float* __restri
       qk[1][i] = k[((size_t)t * Hk + hk) * DK + i];
     }
     __syncthreads();
-    const float beta = sigmoid_f(b[t * Hv + h]);
-    const float decay = expf(decay_rate[h] * softplus_f(a[t * Hv + h] + dt_bias[h]));
+    const float beta = sigmoid_f(b[(size_t)t * ba_stride + h]);
+    const float decay = expf(decay_rate[h] * softplus_f(a[(size_t)t * ba_stride + h] + dt_bias[h]));
     float pred = 0.0f;
 #pragma unroll
     for (int i = 0; i < R; ++i) {
@@ -69,7 +72,7 @@ __device__ void deltanet_rows(const float* __restrict__ q, const float* __restri
     }
     pred += __shfl_xor_sync(0xffffffffu, pred, 1);
     pred += __shfl_xor_sync(0xffffffffu, pred, 2);
-    const float u = (v[((size_t)t * Hv + h) * DV + col] - pred) * beta;
+    const float u = (v[(size_t)t * v_stride + (size_t)h * DV + col] - pred) * beta;
     float o = 0.0f;
 #pragma unroll
     for (int i = 0; i < R; ++i) {
@@ -90,8 +93,10 @@ __device__ void deltanet_rows(const float* __restrict__ q, const float* __restri
 #define DELTANET_ROWS(DK)                                                                                   \
   extern "C" __global__ void __launch_bounds__(128) deltanet_rows_dk##DK(                                  \
       const float* q, const float* k, const float* v, const float* b, const float* a, const float* decay_rate, \
-      const float* dt_bias, float* state, float* snapshots, float* out, int T, int Hk, int Hv, int DV) {    \
-    deltanet_rows<DK>(q, k, v, b, a, decay_rate, dt_bias, state, snapshots, out, T, Hk, Hv, DV);            \
+      const float* dt_bias, float* state, float* snapshots, float* out, int T, int Hk, int Hv, int DV,      \
+      long long v_stride, long long ba_stride) {                                                            \
+    deltanet_rows<DK>(q, k, v, b, a, decay_rate, dt_bias, state, snapshots, out, T, Hk, Hv, DV, v_stride,   \
+                      ba_stride);                                                                           \
   }
 DELTANET_ROWS(32)
 DELTANET_ROWS(64)

@@ -15,15 +15,18 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
 }
 
 // DeltaNet's gated norm per value head: y = (x / sqrt(mean(x^2) + eps) * w) * silu(z), rows of D.
-// Launch: grid R (= T * Hv), block 128.
+// z is read in place from the in_proj output: row r (head r % heads of token r / heads) starts at
+// z + (r / heads) * z_row_stride + (r % heads) * D. Launch: grid R (= T * Hv), block 128.
 extern "C" __global__ void gated_rms_norm(const float* __restrict__ x, const float* __restrict__ z,
-                                          const float* __restrict__ w, float* __restrict__ y, int D, float eps) {
+                                          const float* __restrict__ w, float* __restrict__ y, int D, float eps,
+                                          int heads, long long z_row_stride) {
   __shared__ float scratch[WARP];
   const size_t base = (size_t)blockIdx.x * D;
+  const float* gate = z + (size_t)(blockIdx.x / heads) * z_row_stride + (size_t)(blockIdx.x % heads) * D;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) ss += x[base + i] * x[base + i];
   const float denom = sqrtf(block_sum(ss, scratch) / (float)D + eps);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) y[base + i] = x[base + i] / denom * w[i] * silu_f(z[base + i]);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) y[base + i] = x[base + i] / denom * w[i] * silu_f(gate[i]);
 }
 
 // DeltaNet's q and k: y = x / sqrt(sum(x^2) + 1e-6) * scale per head of D (scale DK^-0.5 for q,

@@ -149,6 +149,7 @@ class DeviceArray:
     ndim = property(lambda self: self.a.ndim)
     size = property(lambda self: self.a.size)
     nbytes = property(lambda self: self.a.nbytes)
+    strides = property(lambda self: self.a.strides)
     T = property(lambda self: self._view(self.a.T))
 
     def _view(self, a: np.ndarray) -> DeviceArray:
@@ -543,6 +544,15 @@ def take(pointer: np.ndarray, *shape: int) -> np.ndarray:
     return pointer[:n].reshape(shape)
 
 
+def take_rows(pointer: np.ndarray, rows: int, width: int, stride: int) -> np.ndarray:
+    """`rows` rows of `width` elements, row r at pointer + r * stride (a copy: the rows may sit inside
+    wider ones)."""
+    if rows and (rows - 1) * stride + width > pointer.size:
+        raise IndexError(f"a kernel reads {rows} rows of {width} at a stride of {stride} where its allocation "
+                         f"holds {pointer.size}")
+    return pointer[np.arange(rows)[:, None] * stride + np.arange(width)]
+
+
 @functools.cache
 def rotation(n: int) -> np.ndarray:
     """H / sqrt(n), H Sylvester's Hadamard matrix (engine.cache.Q4KVCache's rotation): symmetric, orthonormal."""
@@ -643,7 +653,7 @@ def causal_conv_silu(grid, block, a):
     c = min(C, threads(grid, block))  # a thread per channel
     history = take(a.conv_state, KW - 1, C)
     state = SimpleNamespace(conv=history.copy())
-    out = cpu_ops.causal_conv(take(a.mixed, T, C), take(a.taps, C, KW), state)
+    out = cpu_ops.causal_conv(take_rows(a.mixed, T, C, int(a.in_stride)), take(a.taps, C, KW), state)
     take(a.window, KW - 1 + T, C)[:, :c] = state.window[:, :c]
     take(a.out, T, C)[:, :c] = out[:, :c]
     history[:, :c] = state.conv[:, :c]
@@ -659,11 +669,12 @@ def deltanet_rows(DK: int):
         T, Hk, Hv, DV = int(a.T), int(a.Hk), int(a.Hv), int(a.DV)
         heads, cols = min(Hv, grid[0]), min(DV, 32 * grid[1])
         q, k = (np.repeat(take(p, T, Hk, DK), Hv // Hk, axis=1) for p in (a.q, a.k))  # value head h reads key head h // (Hv / Hk)
-        beta = cpu_ops.sigmoid(take(a.b, T, Hv))
-        log_decay = take(a.decay_rate, Hv) * cpu_ops.softplus(take(a.a, T, Hv) + take(a.dt_bias, Hv))
+        beta = cpu_ops.sigmoid(take_rows(a.b, T, Hv, int(a.ba_stride)))
+        log_decay = take(a.decay_rate, Hv) * cpu_ops.softplus(take_rows(a.a, T, Hv, int(a.ba_stride)) + take(a.dt_bias, Hv))
         S = take(a.state, Hv, DK, DV)
         state = SimpleNamespace(recurrent=S.copy())
-        out = cpu_ops.delta_rule_rows(q, k, take(a.v, T, Hv, DV), beta, log_decay, state)
+        v = take_rows(a.v, T, Hv * DV, int(a.v_stride)).reshape(T, Hv, DV)
+        out = cpu_ops.delta_rule_rows(q, k, v, beta, log_decay, state)
         take(a.out, T, Hv, DV)[:, :heads, :cols] = out[:, :heads, :cols]
         take(a.snapshots, T, Hv, DK, DV)[:, :heads, :, :cols] = np.stack(state.row_states)[:, :heads, :, :cols]
         S[:heads, :, :cols] = state.recurrent[:heads, :, :cols]
@@ -677,8 +688,9 @@ def rms_norm(grid, block, a):
 
 
 def gated_rms_norm(grid, block, a):
-    R, D = grid[0], int(a.D)
-    take(a.y, R, D)[...] = cpu_ops.rms_norm(take(a.x, R, D), take(a.w, D), a.eps) * cpu_ops.silu(take(a.z, R, D))
+    R, D, heads = grid[0], int(a.D), int(a.heads)
+    z = take_rows(a.z, R // heads, heads * D, int(a.z_row_stride)).reshape(R, D)  # the gate rows of each token
+    take(a.y, R, D)[...] = cpu_ops.rms_norm(take(a.x, R, D), take(a.w, D), a.eps) * cpu_ops.silu(z)
 
 
 def l2_norm_heads(grid, block, a):

@@ -116,7 +116,7 @@ def test_w4a8_refuses_block_types_without_a_device_decoder():
 def test_ops_refuse_shapes_their_kernels_do_not_take():
     with pytest.raises(ValueError, match="N % 16 == 0"):
         gb.W4A16Linear(random_w4(40, 128, 0))
-    q, v, gates = np.zeros((1, 1, 16), np.float32), np.zeros((1, 1, 32), np.float32), np.zeros((1, 1), np.float32)
+    q, v, gates = np.zeros((1, 1, 16), np.float32), np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32)
     with pytest.raises(ValueError, match="key dims 32, 64, 128"):
         gb.delta_rule_rows(q, q, v, gates, gates, gates[0], gates[0], gb.DeltaNetState(64, 4, 1, 16, 32))
 
@@ -176,7 +176,10 @@ def test_deltanet_rows_and_snapshots_match_cpu(dk, dv, hk, hv, cp):
 
     state = gb.DeltaNetState(8, 4, hv, dk, dv)
     state.recurrent[...] = cp.asarray(start)
-    got = host(gb.delta_rule_rows(q, k, v, b, a, decay_rate, dt_bias, state))
+    # v, b and a read in place from wider rows, as the model passes columns of its projections
+    wide = cp.asarray(np.concatenate([v.reshape(T, hv * dv), b, a, np.full((T, 3), np.nan, np.float32)], axis=1))
+    v_in, b_in, a_in = wide[:, :hv * dv], wide[:, hv * dv:hv * dv + hv], wide[:, hv * dv + hv:hv * dv + 2 * hv]
+    got = host(gb.delta_rule_rows(q, k, v_in, b_in, a_in, decay_rate, dt_bias, state))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for t in range(T):
         np.testing.assert_allclose(host(state.row_states[t]), cpu_state.row_states[t], rtol=1e-4, atol=1e-5)
@@ -195,7 +198,8 @@ def test_causal_conv_matches_cpu_and_rolls_back(cp):
     want = causal_conv(mixed, taps, cpu_state)
     state = gb.DeltaNetState(C, KW, 1, 32, 32)
     state.conv[...] = cp.asarray(history)
-    got = host(gb.causal_conv(mixed, taps, state))
+    wide = cp.asarray(np.concatenate([mixed, np.full((T, 5), np.nan, np.float32)], axis=1))  # read in place
+    got = host(gb.causal_conv(wide[:, :C], taps, state))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # the conv sums are bit-exact; silu's expf is not
     assert np.array_equal(host(state.conv), cpu_state.conv)
     state.keep(2)  # the conv history after the first two rows (the CPU state has no row states to keep here)
@@ -253,10 +257,13 @@ def test_norms_gates_and_rope_match_cpu(cp):
     w = rng.standard_normal(5120).astype(np.float32)
     np.testing.assert_allclose(host(gb.rms_norm(x, w, eps)), rms_norm(x, w, eps), rtol=1e-5, atol=1e-6)
 
-    z = rng.standard_normal((T * 48, 128)).astype(np.float32)
-    o = rng.standard_normal((T * 48, 128)).astype(np.float32)
+    z = rng.standard_normal((T, 48 * 128)).astype(np.float32)
+    o = rng.standard_normal((T, 48, 128)).astype(np.float32)
     wn = rng.standard_normal(128).astype(np.float32)
-    np.testing.assert_allclose(host(gb.gated_rms_norm(o, z, wn, eps)), rms_norm(o, wn, eps) * silu(z), rtol=1e-5, atol=1e-6)
+    want = (rms_norm(o, wn, eps) * silu(z.reshape(T, 48, 128))).reshape(T, 48 * 128)
+    np.testing.assert_allclose(host(gb.gated_rms_norm(o, z, wn, eps)), want, rtol=1e-5, atol=1e-6)
+    wide = cp.asarray(np.concatenate([np.full((T, 7), np.nan, np.float32), z, np.full((T, 2), np.nan, np.float32)], axis=1))
+    np.testing.assert_allclose(host(gb.gated_rms_norm(o, wide[:, 7:7 + 48 * 128], wn, eps)), want, rtol=1e-5, atol=1e-6)
 
     mixed = rng.standard_normal((T, 2 * 16 * 128 + 48 * 128)).astype(np.float32)
     q_heads = mixed[:, :16 * 128].reshape(T, 16, 128)

@@ -199,3 +199,30 @@ def test_forcing_the_gpu_without_one_is_one_line(tiny_model, monkeypatch):
     with pytest.raises(DuetError, match="DUET_BACKEND=cupy: backend cupy needs an NVIDIA GPU") as error:
         load_model(tiny_model)
     assert "\n" not in str(error.value)
+
+
+# Operations (kernel launches and CuPy operations) a captured 4-row verify cycle of the 8-layer demo
+# issues, embedding, head and logits included: where issue 19's launch work stands (245 on the W4
+# routes before it: a copy per Linear, per-slice output buffers and copies of the projection's
+# column ranges). The target is 8 a layer; a change that adds launches fails here.
+LAUNCH_BUDGET = {("demo_int4", "w4a16"): 169, ("demo_int4", "w4a8"): 169, ("demo", "bf16"): 121}
+
+
+@pytest.mark.parametrize("fmt,route", LAUNCH_BUDGET)
+def test_a_captured_cycle_stays_within_its_launch_budget(models, prompt, monkeypatch, fmt, route):
+    from simulated_device import installed
+
+    with installed(monkeypatch):
+        model = load(models[fmt], route, "cupy", monkeypatch).model
+        graphs = []
+        capture = CycleGraph.__init__
+        monkeypatch.setattr(CycleGraph, "__init__", lambda graph, *a: capture(graph, *a) or graphs.append(graph))
+        state = model.new_state("bf16")
+        model.forward(state, prompt[:10])
+        for _ in range(2):  # the first 4-row call runs uncaptured (kernels loaded), the second is captured
+            model.forward(state, prompt[10:14])
+            state.keep(1)
+        (graph,) = graphs
+        launches = len(graph.graph.tape)
+        print(f"{fmt} {route}: {launches} operations a captured 4-row cycle, {launches / len(model.layers):.1f} a layer")
+        assert launches <= LAUNCH_BUDGET[fmt, route]
