@@ -5,13 +5,14 @@ line. That the file's keys give its source's config.json is test_gguf_files.py."
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from gguf import GGUFReader
 
-from duet.engine.checkpoint.gguf_names import gguf_config, ngram_constants
-from duet.engine.config import FULL_ATTENTION, LINEAR_ATTENTION
+from duet.engine.checkpoint.gguf_names import NGRAM_TABLE, gguf_config, gguf_tensors, ngram_constants
+from duet.engine.config import FULL_ATTENTION, LINEAR_ATTENTION, MAX_SIZE
 from duet.engine.errors import CheckpointError
 
 FILE = Path(__file__).parent / "data" / "llamacpp_qwen4exp_mtp_f16.gguf"
@@ -136,3 +137,71 @@ def test_hash_constants_up_to_2_to_the_63_are_read_exactly(written):
     assert offsets.dtype == "int64" and [int(v) for v in offsets] == [0, 101, 204, 2**63 - 1]
     assert [int(v) for v in constants["layers.1.ple.ple_embedding.layer_multipliers"]] == \
         keys["qwen4exp.ple.layer_multipliers"]
+
+
+def test_the_name_table_holds_one_ple_layer_only(written):
+    """llama.cpp's qwen4exp has one n-gram table (duet convert says so before it gets here)."""
+    c = config(written)
+    assert [t.name for t in gguf_tensors(c, "qwen4exp", mtp=False, ngram_rows=10)].count(NGRAM_TABLE) == 1
+    two = dataclasses.replace(c, flash=dataclasses.replace(c.flash, ple_layers=(1, 2)))
+    with pytest.raises(ValueError) as error:
+        gguf_tensors(two, "qwen4exp", mtp=False, ngram_rows=10)
+    assert str(error.value) == "llama.cpp's qwen4exp holds one n-gram table, and this model has PLE on 2 layers"
+
+
+def test_head_width_and_rotary_share_without_a_key_length(written):
+    """Without attention.key_length a head is embedding_length / head_count wide; the rotary share is
+    rope.dimension_count of it, all of it at most."""
+    assert config(written).partial_rotary_factor == 8 / 32  # key_length 32
+    assert config(written, attention__key_length=None).partial_rotary_factor == 8 / (64 / 4)
+    # all of a head (QSA's indexer heads, 16 wide, take the same rotary part: heads of 16 here)
+    assert config(written, attention__key_length=None, rope__dimension_count=16).partial_rotary_factor == 1.0
+    assert config(written, attention__key_length=None, rope__dimension_count=None).partial_rotary_factor == 1.0
+
+
+@pytest.mark.parametrize("changes,line", [
+    ({"attention__key_length": None, "attention__head_count": 3},
+     "metadata keys qwen4exp.embedding_length and qwen4exp.attention.head_count are 64 and 3, and there is no "
+     "qwen4exp.attention.key_length: the first is no multiple of the second"),
+    ({"rope__dimension_count": 33}, "metadata key qwen4exp.rope.dimension_count is 33, more than the head dimension 32"),
+    ({"block_count": 1}, "metadata key qwen4exp.block_count is 1, which leaves no layers besides its 1 MTP block(s)"),
+    ({"ssm__inner_size": 66},
+     "metadata keys qwen4exp.ssm.inner_size and qwen4exp.ssm.time_step_rank are 66 and 4: the first is no multiple "
+     "of the second"),
+    ({"embedding_length": [64, True]},
+     "metadata key qwen4exp.embedding_length is [64, True], not a number or a per-layer array of numbers"),
+    ({"embedding_length": []}, "metadata key qwen4exp.embedding_length is [], not a number or a per-layer array of numbers"),
+])
+def test_inconsistent_keys_are_one_exact_line(written, changes, line):
+    assert refused(written, **changes) == f"{SOURCE}: {line}; {CORRUPT}"
+
+
+@pytest.mark.parametrize("dropped,missing", [
+    ("expert_count", "qwen4exp.expert_count"),
+    ("attention__indexer__top_k", "qwen4exp.attention.indexer.top_k"),
+    ("ssm__inner_size", "qwen4exp.ssm.inner_size"),
+])
+def test_each_key_llamacpp_needs_is_asked_for_by_name(written, dropped, missing):
+    line = refused(written, **{dropped: None})
+    assert line == f"{SOURCE}: metadata lacks {missing}; the file is not a complete qwen4exp GGUF"
+
+
+def test_the_token_table_gives_the_vocabulary_and_must_be_a_matrix(written):
+    keys, shapes = written
+    assert gguf_config(keys, shapes, SOURCE).vocab_size == shapes["token_embd.weight"][0]
+    for vocab in (1, MAX_SIZE):
+        assert gguf_config(keys, {**shapes, "token_embd.weight": (vocab, 64)}, SOURCE).vocab_size == vocab
+    for shape in ((MAX_SIZE + 1, 64), (0, 64), (64,)):
+        with pytest.raises(CheckpointError) as error:
+            gguf_config(keys, {**shapes, "token_embd.weight": shape}, SOURCE)
+        assert str(error.value) == (f"{SOURCE}: tensor token_embd.weight has shape {list(shape)}, not [vocabulary, width] "
+                                    f"with a vocabulary from 1 to {MAX_SIZE}; {CORRUPT}")
+    missing = {name: shape for name, shape in shapes.items() if name != "token_embd.weight"}
+    with pytest.raises(CheckpointError) as error:
+        gguf_config(keys, missing, SOURCE)
+    assert str(error.value) == f"{SOURCE}: metadata lacks tensor token_embd.weight; the file is not a complete qwen4exp GGUF"
+
+
+def test_a_ple_layer_the_pattern_makes_attention_is_refused_naming_the_file(written):
+    line = refused(written, ple__layers=[3])  # layer 3 is full attention
+    assert line == f"{SOURCE}: ple_layer_ids names a layer that is not linear attention; PLE runs on DeltaNet layers only"
