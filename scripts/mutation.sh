@@ -2,6 +2,8 @@
 # Mutation testing of the engine's core with mutmut (docs/TESTING.md has the score).
 #   bash scripts/mutation.sh [MODULE_PATH TEST_FILE...]
 # e.g. bash scripts/mutation.sh engine/speculative.py tests/engine/test_speculative_exact.py
+# MUTANTS='duet.engine.checkpoint.hf.xǁTensorPlanǁ_plan_ple*' (mutmut's names, fnmatch globs) runs only
+# the mutants of the functions a change touched.
 # Installs into the venv: pip install -e ".[test,mutation]".
 #
 # mutmut names mutants after the file's path, and the tests import `duet.engine.*`, which the repo
@@ -17,6 +19,8 @@ rm -rf "$stage" && mkdir -p "$stage/duet"
 cp -r "$repo/engine" "$repo/app" "$repo/models" "$stage/duet/"
 touch "$stage/duet/__init__.py"
 cp -r "$repo/tests" "$stage/tests"
+# Tests find the demo models at the repository root: the stage's, and mutmut's copy of it (mutants/).
+mkdir -p "$stage/mutants" && ln -s duet/models "$stage/models" && ln -s duet/models "$stage/mutants/models"
 find "$stage" -name __pycache__ -prune -exec rm -rf {} +
 args=$(printf '"%s", ' "${tests[@]}")
 cat >"$stage/pyproject.toml" <<TOML
@@ -38,11 +42,13 @@ cd "$stage"
 # region waits on it forever (seen in transformers' forward). One thread each: no pool to inherit.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
 # mutmut redraws a progress line hundreds of times: keep it in a log, print the summary below.
-mutmut run --max-children "${MUTATION_JOBS:-2}" >"$stage/run.log" 2>&1 || true
+# shellcheck disable=SC2086  # MUTANTS is a list of globs, split on purpose
+mutmut run --max-children "${MUTATION_JOBS:-2}" ${MUTANTS:-} >"$stage/run.log" 2>&1 || true
 mutmut results --all true >"$stage/results.txt" || true
 python - "$stage/results.txt" <<'PY'
 import collections, sys
 counts = collections.Counter(line.rsplit(":", 1)[-1].strip() for line in open(sys.argv[1]) if ":" in line)
+counts.pop("not checked", None)  # outside the MUTANTS asked for
 killed = counts.get("killed", 0) + counts.get("timeout", 0)
 total = sum(counts.values())
 print(dict(counts), f"score {killed}/{total} = {killed / max(total, 1):.1%}")
