@@ -59,6 +59,7 @@ def test_the_layer_pattern_follows_the_recurrent_flags_else_the_interval(written
         (L, F, L, F, L)
     assert config(written, attention__recurrent_layers=[True] * 4, full_attention_interval=3, **no_ple).layer_types == \
         (L, L, F, L, L)  # fewer flags than layers: the interval
+    assert config(written, attention__recurrent_layers=flags[:5], **no_ple).layer_types == (L, F, F, L, L)  # no MTP flag
     assert config(written, attention__recurrent_layers=None, full_attention_interval=None).layer_types == \
         (L, L, L, F, L)  # llama.cpp's default interval, 4
 
@@ -178,11 +179,12 @@ def test_inconsistent_keys_are_one_exact_line(written, changes, line):
 
 @pytest.mark.parametrize("dropped,missing", [
     ("expert_count", "qwen4exp.expert_count"),
+    ("expert_count expert_used_count", "qwen4exp.expert_count, qwen4exp.expert_used_count"),
     ("attention__indexer__top_k", "qwen4exp.attention.indexer.top_k"),
     ("ssm__inner_size", "qwen4exp.ssm.inner_size"),
 ])
 def test_each_key_llamacpp_needs_is_asked_for_by_name(written, dropped, missing):
-    line = refused(written, **{dropped: None})
+    line = refused(written, **{name: None for name in dropped.split()})
     assert line == f"{SOURCE}: metadata lacks {missing}; the file is not a complete qwen4exp GGUF"
 
 
