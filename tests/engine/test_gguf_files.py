@@ -287,3 +287,49 @@ def test_a_qwen4exp_file_duet_writes_gives_the_sources_tokens(tmp_path):
     assert reply(tmp_path / "gguf-f32.gguf") == reply(tmp_path / "source")
     q8 = load_model(tmp_path / "gguf-q8_0.gguf")
     assert q8.route == "w4a8" and q8.model.mtp.fc_embedding.shape == (64, 64) and reply(tmp_path / "gguf-q8_0.gguf")
+
+
+def test_a_quantized_qwen4exp_file_reads_as_its_blocks(tmp_path):
+    """gguf-q8_0 of Flash-Next, every model tensor against gguf's own dequantize of the stored data:
+    index_qk_proj is the indexer's q_proj and k_proj stacked into one quantized matrix, the hash
+    constants are exact int64 entries of their own."""
+    from duet.engine.checkpoint.gguf_names import gguf_tensors
+    from duet.engine.quant.gguf_blocks import BlockMatrix
+
+    flash_next_reference(tmp_path / "source")
+    path = tmp_path / "q8.gguf"
+    assert main(["convert", str(tmp_path / "source"), str(path), "--format", "gguf-q8_0"]) == 0
+    reader, ckpt = gguf.GGUFReader(path), GGUFCheckpoint(path)
+    stored = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(n) for n in t.shape])))
+              for t in reader.tensors}
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    held = {}  # model key -> [(part_of, values)]
+    for tensor in gguf_tensors(ckpt.config, "qwen4exp", True, ckpt._shape("per_layer_token_embd.weight")[0]):
+        for link in tensor.links:
+            data = stored[tensor.name] if link.expert is None else stored[tensor.name][link.expert]
+            held.setdefault(link.key, []).append((link, data))
+    assert {types[name] for name in types if ".indexer." in name and name.endswith("_proj.weight")} == {q8}
+    for key, parts in held.items():
+        name = "model." + key if not key.startswith("mtp.") else key
+        name = name if name in ckpt.entries else key
+        entry = ckpt.entries[name]
+        got = ckpt.quantized.read(name) if name in ckpt.quantized else ckpt.read_f32(name)
+        got = got.weight if isinstance(got, InputOrder) else got  # ssm_out's inputs in the file's order
+        blocks = all(types[s] == q8 for s in entry.source.split(" + "))
+        assert (name in ckpt.quantized) == blocks == isinstance(got, BlockMatrix), name
+        values = got.dequantize() if isinstance(got, BlockMatrix) else got
+        if len(parts) > 1 and parts[0][0].part_of is not None:  # rows held by several tensors, in order
+            expected = np.concatenate([data for _, data in sorted(parts, key=lambda p: p[0].part_of.start)])
+            assert key.endswith("index_qk_proj.weight") and blocks
+        else:
+            link, expected = parts[0]
+            expected = link.values.from_gguf(expected if link.rows is None else expected[link.rows])
+            expected = expected if link.cols is None else expected[:, link.cols]
+        assert np.array_equal(values, expected), name
+    assert sum(key.endswith("index_qk_proj.weight") for key in held) == 2  # the QSA layer's and the MTP layer's
+    constants = [name for name, entry in ckpt.entries.items() if entry.dtype == "I64"]
+    assert len(constants) == 3
+    for name in constants:
+        info, values = ckpt.info(name), ckpt.read_ints(name)
+        assert name not in ckpt.quantized and info.dtype == "I64" and info.nbytes == values.nbytes == 8 * values.size
