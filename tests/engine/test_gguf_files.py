@@ -328,6 +328,13 @@ def test_a_quantized_qwen4exp_file_reads_as_its_blocks(tmp_path):
             expected = expected if link.cols is None else expected[:, link.cols]
         assert np.array_equal(values, expected), name
     assert sum(key.endswith("index_qk_proj.weight") for key in held) == 2  # the QSA layer's and the MTP layer's
+
+    # Parts of different forms (a llama-quantize run may give k_proj another type) join as fp32.
+    name = next(name for name in ckpt.entries if name.endswith("index_qk_proj.weight"))
+    parts, load = ckpt.entries[name].load.args[0], ckpt._load
+    ckpt._load = lambda tensor, link: load(tensor, link) if link.part_of.start == 0 else load(tensor, link).dequantize()
+    mixed = ckpt.read_f32(name)
+    assert isinstance(mixed, np.ndarray) and np.array_equal(mixed, np.concatenate([load(*part).dequantize() for part in parts]))
     constants = [name for name, entry in ckpt.entries.items() if entry.dtype == "I64"]
     assert len(constants) == 3
     for name in constants:
