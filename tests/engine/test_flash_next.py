@@ -150,9 +150,12 @@ def damaged(flash_dir, tmp_path, change) -> Path:
 
 
 def test_a_missing_ngram_shard_is_named(flash_dir, tmp_path):
-    folder = damaged(flash_dir, tmp_path, lambda t: t.pop("model.layers.2.ple.ple_embedding.ngram_embedding.shard_3.weight"))
-    with pytest.raises(CheckpointError, match=r"shard_3\.weight is missing; the n-gram table is stored in 4 shards"):
+    name = "model.layers.2.ple.ple_embedding.ngram_embedding.shard_3.weight"
+    folder = damaged(flash_dir, tmp_path, lambda t: t.pop(name))
+    with pytest.raises(CheckpointError) as error:
         load_model(folder, tokenizer=False)
+    assert str(error.value) == (f"{folder}: tensor {name} is missing; the n-gram table is stored in 4 shards "
+                                "(split_ngram_parts) and the checkpoint is incomplete")
 
 
 def test_hash_constants_that_reach_outside_the_table_are_refused(flash_dir, tmp_path):
@@ -236,3 +239,77 @@ def test_a_quantized_ngram_table_gathers_the_rows_gguf_dequantizes():
     ids = np.array([[3, 99], [0, 42]])
     assert table.shape == (100, 64)
     assert np.array_equal(table[ids], gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)[ids])
+
+
+E0 = "model.layers.0.ple.ple_embedding."
+SHARD = E0 + "ngram_embedding.shard_{}.weight"
+BAD_TABLES = {  # case: (change to the tensors, the problem the one line ends with)
+    "a shard of another width": (lambda t: t.update({SHARD.format(1): t[SHARD.format(1)][:, :4].copy()}),
+                                 f"tensor {SHARD.format(1)} is F32 [108, 4]"),
+    "a shard without rows": (lambda t: t.update({SHARD.format(2): t[SHARD.format(2)][:0].copy()}),
+                             f"tensor {SHARD.format(2)} is F32 [0, 8]"),
+    "a shard of one dimension": (lambda t: t.update({SHARD.format(3): t[SHARD.format(3)].ravel().copy()}),
+                                 f"tensor {SHARD.format(3)} is F32 [864]"),
+    "a shard of integers": (lambda t: t.update({SHARD.format(0): t[SHARD.format(0)].astype(np.int32)}),
+                            f"tensor {SHARD.format(0)} is I32 [108, 8]"),
+    "a shard of another float type": (lambda t: t.update({SHARD.format(1): t[SHARD.format(1)].astype(np.float16)}),
+                                      f"tensor {SHARD.format(1)} is F16 [108, 8]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TABLES))
+def test_table_shards_that_do_not_belong_together_are_one_exact_line(flash_dir, tmp_path, case):
+    change, problem = BAD_TABLES[case]
+    folder = damaged(flash_dir, tmp_path, change)
+    with pytest.raises(CheckpointError) as error:
+        load_model(folder, tokenizer=False)
+    assert str(error.value) == (f"{folder / 'model.safetensors'}: {problem}; an n-gram table shard is float [rows, 8], "
+                                "all of one type; the files do not belong together")
+
+
+def test_f16_shards_all_of_one_type_are_read(flash_dir, tmp_path):
+    def narrow(tensors):
+        for j in range(4):
+            tensors[SHARD.format(j)] = tensors[SHARD.format(j)].astype(np.float16)
+
+    assert load_model(damaged(flash_dir, tmp_path, narrow), tokenizer=False).model is not None
+
+
+BAD_CONSTANTS = {  # case: (tensor, new values, the problem)
+    "a head of no rows": ("ngram_heads_vocab_sizes", [101, 0, 107, 109], "vocabularies"),
+    "a head before the table": ("ngram_heads_offsets", [-1, 101, 204, 311], "vocabularies"),
+    "an even multiplier": ("layer_multipliers", [25912437101140036, 21043097849633001, 26491075874708125], "multipliers"),
+    "a multiplier of 0": ("layer_multipliers", [0, 21043097849633001, 26491075874708125], "multipliers"),
+    "a negative multiplier": ("layer_multipliers", [-25912437101140037, 21043097849633001, 26491075874708125],
+                              "multipliers"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONSTANTS))
+def test_hash_constants_a_lookup_cannot_trust_are_one_exact_line(flash_dir, tmp_path, case):
+    name, values, what = BAD_CONSTANTS[case]
+    folder = damaged(flash_dir, tmp_path, lambda t: t.update({E0 + name: np.array(values, np.int64)}))
+    with pytest.raises(CheckpointError) as error:
+        load_model(folder, tokenizer=False)
+    prefix = f"{folder / 'model.safetensors'}: "
+    assert str(error.value) == prefix + {
+        "vocabularies": f"{E0.removeprefix('model.')}: the n-gram heads' vocabularies run outside the table's 432 rows; "
+                        "the file is corrupt, re-download the model",
+        "multipliers": f"{E0.removeprefix('model.')}layer_multipliers are not odd positive integers; the file is corrupt, "
+                       "re-download the model"}[what]
+
+
+def test_the_first_and_the_last_rows_are_lookups_a_table_allows(flash_dir, tmp_path):
+    """A head of one row at row 0, and one ending at the last row: both inside the table."""
+    def edge(tensors):
+        tensors[E0 + "ngram_heads_vocab_sizes"] = np.array([1, 103, 107, 432 - 311], np.int64)
+        tensors[E0 + "layer_multipliers"] = np.array([1, 21043097849633001, 26491075874708125], np.int64)
+
+    assert load_model(damaged(flash_dir, tmp_path, edge), tokenizer=False).model is not None
+
+
+def test_a_missing_constant_is_named(flash_dir, tmp_path):
+    folder = damaged(flash_dir, tmp_path, lambda t: t.pop(E0 + "ngram_heads_offsets"))
+    with pytest.raises(CheckpointError) as error:
+        load_model(folder, tokenizer=False)
+    assert str(error.value) == f"{folder}: tensor {E0}ngram_heads_offsets is missing; the checkpoint is incomplete"
