@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 from enum import StrEnum
+from pathlib import Path
 
+from duet.app.catalog import find_local
 from duet.app.session import EngineChoices
+from duet.app.settings import Config, Paths, bundled_demo_model
 from duet.engine import Accept, Draft, DuetError, KVCache, Route, check_moe_skip
 
 RUNNABLE_KV = tuple(kv for kv in KVCache if kv.runs)
@@ -72,3 +75,16 @@ def parse_depth(value: str) -> int | None:
     if not value.isdigit():
         raise DuetError(f"--depth takes auto or a whole number (got {value!r})")
     return int(value)
+
+
+def chat_model_path(name: str | None, config: Config, paths: Paths) -> Path:
+    """--model, else the config's model: a folder or .gguf file, or a name from `duet models list`; else the demo."""
+    name = name or config.model
+    folder = Path(name).expanduser() if name else bundled_demo_model()
+    if folder.exists():
+        return folder
+    found = find_local(name, paths.models_dir) if name else None
+    if found is None:
+        raise DuetError(f"{folder}: no such model folder or file, and no model of that name on disk; "
+                        "see duet models list")
+    return found.path

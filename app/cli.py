@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from duet.app.arguments import add_engine_arguments, engine_choices
+from duet.app.arguments import add_engine_arguments, chat_model_path, engine_choices
 from duet.app.bench import BENCHMARKS, add_bench_commands
-from duet.app.catalog import find_local
 from duet.app.session import Launch
-from duet.app.settings import Config, Paths, bundled_demo_model, load_config, user_paths
+from duet.app.settings import load_config, user_paths
 from duet.engine import DuetError
 
 EXIT_USER_ERROR = 2
@@ -123,19 +121,6 @@ def main_parser() -> OneLineParser:
     sampling.add_argument("--presence-penalty", type=float, default=0.0)
     sampling.add_argument("--seed", type=int, help="seed for sampling (reproducible runs)")
     return parser
-
-
-def chat_model_path(name: str | None, config: Config, paths: Paths) -> Path:
-    """--model, else the config's model: a folder or .gguf file, or a name from `duet models list`; else the demo."""
-    name = name or config.model
-    folder = Path(name).expanduser() if name else bundled_demo_model()
-    if folder.exists():
-        return folder
-    found = find_local(name, paths.models_dir) if name else None
-    if found is None:
-        raise DuetError(f"{folder}: no such model folder or file, and no model of that name on disk; "
-                        "see duet models list")
-    return found.path
 
 
 def print_paths() -> int:

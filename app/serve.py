@@ -37,7 +37,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from duet.app.arguments import add_engine_arguments, engine_choices
+from duet.app.arguments import add_engine_arguments, chat_model_path, engine_choices
 from duet.app.session import EngineChoices, reply_options
 from duet.app.settings import Config, load_config, user_paths
 from duet.engine import (
@@ -518,7 +518,6 @@ def add_serve_command(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from duet.app.cli import chat_model_path
     from duet.app.headless import ProgressBar
 
     paths = user_paths()
