@@ -313,3 +313,16 @@ def test_a_missing_constant_is_named(flash_dir, tmp_path):
     with pytest.raises(CheckpointError) as error:
         load_model(folder, tokenizer=False)
     assert str(error.value) == f"{folder}: tensor {E0}ngram_heads_offsets is missing; the checkpoint is incomplete"
+
+
+def test_n_gram_tables_stay_read_only_maps_of_their_files(flash_dir):
+    """A table is gathered from its file's pages, never copied whole, and a model can never write to it."""
+    from duet.engine.checkpoint.hf import TensorPlan
+    from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
+    from duet.engine.weights import ShardedRows
+
+    ckpt = SafetensorsCheckpoint(flash_dir)
+    tables = [t for t in TensorPlan(ckpt, ModelConfig.from_file(flash_dir / "config.json")).read_all(None).values()
+              if isinstance(t, ShardedRows)]
+    assert len(tables) == 2 and all(isinstance(s, np.memmap) and s.mode == "r" and not s.flags.writeable
+                                    for table in tables for s in table.shards)
