@@ -167,7 +167,8 @@ def _trained_tokenizer(vocab_size: int) -> str:
 
 
 def add_random_mtp_head(model_dir: Path, ref, seed: int) -> dict:
-    """Write a random MTP head into a saved checkpoint, built from transformers' own Qwen3_5 layers.
+    """Write a random MTP head into a saved checkpoint, built from transformers' own Qwen3_5 layers (a
+    Qwen3_5Moe layer for a MoE model, its experts stored as the trunk's are: fused or one per expert).
 
     Returns the torch modules (fc, norms, layer, rotary) so a test can compute the reference.
     """
@@ -175,11 +176,15 @@ def add_random_mtp_head(model_dir: Path, ref, seed: int) -> dict:
     import transformers as tf
     from safetensors.torch import load_file, save_file
     from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35moe
 
     text = ref.config
-    mtp_config = tf.Qwen3_5TextConfig(**{**text.to_dict(), "num_hidden_layers": 1, "layer_types": ["full_attention"]})
+    moe = getattr(text, "num_experts", 0) > 0
+    config_class, layer_class = ((tf.Qwen3_5MoeTextConfig, q35moe.Qwen3_5MoeDecoderLayer) if moe
+                                 else (tf.Qwen3_5TextConfig, q35.Qwen3_5DecoderLayer))
+    mtp_config = config_class(**{**text.to_dict(), "num_hidden_layers": 1, "layer_types": ["full_attention"]})
     parts = {
-        "layer": q35.Qwen3_5DecoderLayer(mtp_config, 0),
+        "layer": layer_class(mtp_config, 0),
         "norms": torch.nn.ModuleDict({k: q35.Qwen3_5RMSNorm(text.hidden_size) for k in ("emb", "hid", "out")}),
         "fc": torch.nn.Linear(2 * text.hidden_size, text.hidden_size, bias=False),
     }
@@ -187,12 +192,15 @@ def add_random_mtp_head(model_dir: Path, ref, seed: int) -> dict:
         randomize(module, seed)
     parts["rotary"] = q35.Qwen3_5TextRotaryEmbedding(mtp_config)
     tensors = load_file(model_dir / "model.safetensors")
+    trunk_split = moe and not any(name.endswith("experts.gate_up_proj") for name in tensors)
     norms = parts["norms"]
     tensors.update({"mtp.fc.weight": parts["fc"].weight, "mtp.pre_fc_norm_embedding.weight": norms["emb"].weight,
                     "mtp.pre_fc_norm_hidden.weight": norms["hid"].weight, "mtp.norm.weight": norms["out"].weight})
     tensors.update({f"mtp.layers.0.{k}": v for k, v in parts["layer"].state_dict().items()})
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, model_dir / "model.safetensors",
               metadata={"format": "pt"})
+    if trunk_split:
+        split_fused_experts(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
     return parts

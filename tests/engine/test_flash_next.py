@@ -275,6 +275,48 @@ def test_f16_shards_all_of_one_type_are_read(flash_dir, tmp_path):
     assert load_model(damaged(flash_dir, tmp_path, narrow), tokenizer=False).model is not None
 
 
+def prefill_matches(folder: Path, ref) -> None:
+    """duet's prefill logits of `folder` against transformers' model `ref` on the same 60 ids."""
+    ids = prompt_ids(60, ref.config.vocab_size, seed=5)
+    with torch.no_grad():
+        expected = ref(torch.tensor(ids)[None]).logits[0].numpy()
+    model = load_model(folder, tokenizer=False, backend="cpu").model
+    logits_close(model.logits(model.forward(model.new_state(), ids)), expected)
+
+
+def test_a_bf16_checkpoint_reads_its_tables_as_bf16(tmp_path):
+    """The released Flash-Next is bf16: its n-gram shards are bf16 bits a lookup widens. The reference is
+    transformers on the same bf16-rounded weights, run in fp32."""
+    ref = build_reference("qwen4_exp_text", seed=3).to(torch.bfloat16)
+    folder = save_reference(ref, tmp_path / "bf16", with_tokenizer=False)
+    from duet.engine.checkpoint.safetensors import SafetensorsFile
+
+    assert SafetensorsFile(folder / "model.safetensors").tensors[SHARD.format(0)].dtype == "BF16"
+    prefill_matches(folder, ref.to(torch.float32))
+
+
+def restack(whole: bool):
+    """Each PLE layer's table as one `ngram_embedding.weight`, or as 4 shards of 1, 2, 3 and the rest rows."""
+    def change(tensors):
+        for layer in (0, 2):
+            e = f"model.layers.{layer}.ple.ple_embedding.ngram_embedding."
+            table = np.concatenate([tensors.pop(f"{e}shard_{j}.weight") for j in range(4)])
+            if whole:
+                tensors[e + "weight"] = table
+            else:
+                for j, rows in enumerate(np.split(table, [1, 3, 6])):
+                    tensors[f"{e}shard_{j}.weight"] = rows
+    return change
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["one-tensor", "shards-of-1-2-3-rows-and-the-rest"])
+def test_a_table_stored_whole_or_unevenly_is_read_as_the_shards_are(flash_dir, tmp_path, whole):
+    """A checkpoint may keep a layer's n-gram table as one `ngram_embedding.weight` (split_ngram_parts
+    names only how HF shards it), or in shards of any sizes: the same rows, the same logits."""
+    ref = build_reference("qwen4_exp_text", seed=3)  # flash_dir's model
+    prefill_matches(damaged(flash_dir, tmp_path, restack(whole)), ref)
+
+
 BAD_CONSTANTS = {  # case: (tensor, new values, the problem)
     "a head of no rows": ("ngram_heads_vocab_sizes", [101, 0, 107, 109], "vocabularies"),
     "a head before the table": ("ngram_heads_offsets", [-1, 101, 204, 311], "vocabularies"),

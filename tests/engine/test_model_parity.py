@@ -146,12 +146,14 @@ def test_half_precision_checkpoints(tmp_path, dtype):
     assert_close(model.logits(model.forward(model.new_state(), ids)), reference_logits(ref, ids))
 
 
-def test_mtp_head_matches_a_reference_built_from_transformers_layers(tmp_path):
-    """The MTP head: fc([norm_e(embed(x_{t+1})); norm_h(h_t)]) -> full-attention layer -> norm -> lm_head.
+@pytest.mark.parametrize("kind", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_mtp_head_matches_a_reference_built_from_transformers_layers(tmp_path, kind):
+    """The MTP head: fc([norm_e(embed(x_{t+1})); norm_h(h_t)]) -> full-attention layer -> norm -> lm_head;
+    a MoE model's MTP layer is a MoE layer (routed experts and the gated shared expert).
 
     transformers ignores mtp.*, so the reference is assembled from its own Qwen3_5 layer classes.
     """
-    ref = build_reference("qwen3_5_text", seed=13)
+    ref = build_reference(kind, seed=13)
     ref.save_pretrained(tmp_path)
     parts = add_random_mtp_head(tmp_path, ref, seed=17)
     fc, norms, layer, rotary = parts["fc"], parts["norms"], parts["layer"], parts["rotary"]
