@@ -22,8 +22,8 @@ import pytest
 
 from duet.engine.backend import MAX_ROWS
 from duet.engine.backend.cpu_ops import causal_conv, delta_rule_rows
-from duet.engine.cache import (Q4_GROUP, RECENT_ROWS, SINK_ROWS, DeltaNetState, KVCache, Q4KVCache, SequenceState,
-                               dequantize_q4, hadamard, quantize_q4)
+from duet.engine.cache import (Q4_GROUP, RECENT_ROWS, SINK_ROWS, DeltaNetState, IndexedKVCache, KVCache, PLEState,
+                               Q4KVCache, SequenceState, dequantize_q4, hadamard, quantize_q4)
 
 
 def test_the_definitions_constants():
@@ -484,3 +484,62 @@ def test_rewind_refuses_a_state_with_deltanet_layers():
 def test_sequence_state_starts_at_zero():
     state = SequenceState([])
     assert state.length == 0 and state.length_before_last_call == 0 and state.layers == []
+
+
+# ---- Flash-Next: QSA's indexed cache and PLE's history
+
+def test_indexed_cache_holds_every_raw_key_and_pools_each_block_once_past_its_first_capacity():
+    """IndexedKVCache against a list of the raw keys appended: raw is that list (fp32, as the indexer
+    computes), blocks are pool() of each complete block of `ratio` keys, each pooled once, when it
+    completes, and again after a truncation cut it open. 700 keys in uneven calls: the buffers grow
+    past their first 256 rows twice."""
+    ratio, d = 4, 6
+    cache = IndexedKVCache(KVCache(1, 2), d, ratio)
+    keys = np.random.default_rng(3).standard_normal((760, d)).astype(np.float32)
+    pooled = []  # (first block, blocks) of every pool call
+
+    def pool(first, blocks):  # any function of the block and its index will do
+        pooled.append((first, blocks.shape[0]))
+        return blocks.mean(axis=1) + np.arange(first, first + blocks.shape[0], dtype=np.float32)[:, None]
+
+    def append(rows):
+        cache.kv.append(np.zeros((1, len(rows), 2), np.float32), np.zeros((1, len(rows), 2), np.float32))
+        cache.append_index_keys(rows, pool)
+
+    def expected_blocks(held: np.ndarray) -> np.ndarray:
+        complete = len(held) // ratio
+        return held[: complete * ratio].reshape(complete, ratio, d).mean(axis=1) + np.arange(complete, dtype=np.float32)[:, None]
+
+    held = np.zeros((0, d), np.float32)
+    for size in (1, 255, 1, 3, 100, 40, 300):
+        rows, keys = keys[:size], keys[size:]
+        append(rows)
+        held = np.concatenate([held, rows])
+        assert cache.length == len(held) and cache.raw.dtype == cache.blocks.dtype == np.float32
+        assert np.array_equal(cache.raw, held) and np.array_equal(cache.blocks, expected_blocks(held))
+    assert [first for first, _ in pooled] == [0, 64, 65, 90, 100] and sum(n for _, n in pooled) == 700 // ratio
+    cache.truncate(650)  # cuts block 162 open: it is pooled again from the rows that replace its tail
+    held = held[:650]
+    assert np.array_equal(cache.raw, held) and np.array_equal(cache.blocks, expected_blocks(held))
+    append(keys[:60])
+    held = np.concatenate([held, keys[:60]])
+    assert np.array_equal(cache.raw, held) and np.array_equal(cache.blocks, expected_blocks(held))
+    assert pooled[-1] == (162, 15)
+
+
+def test_ple_state_keeps_the_ids_and_conv_inputs_of_the_rows_it_keeps():
+    """PLEState: EOS history before the first token, fp32 conv inputs; keep(n) makes the windows
+    after the first n rows of the last call current."""
+    state = PLEState(context=2, eos=7, conv_rows=6, channels=3)
+    assert state.tokens.tolist() == [7, 7] and state.tokens.dtype == np.int64
+    assert state.conv.shape == (6, 3) and state.conv.dtype == np.float32 and not state.conv.any()
+    ids, inputs = np.array([11, 12, 13, 14]), np.arange(12, dtype=np.float32).reshape(4, 3) + 1
+    state.token_window = np.concatenate([state.tokens, ids])
+    state.conv_window = np.concatenate([state.conv, inputs])
+    for rows in (4, 1):
+        kept = PLEState(2, 7, 6, 3)
+        kept.token_window, kept.conv_window = state.token_window, state.conv_window
+        kept.keep(rows)
+        history = [7, 7, *ids[:rows].tolist()]
+        assert kept.tokens.tolist() == history[-2:]
+        assert np.array_equal(kept.conv, np.concatenate([np.zeros((6, 3), np.float32), inputs[:rows]])[-6:])
