@@ -129,6 +129,21 @@ def test_bf16_widens_as_torch_widens_it(tmp_path):
     np.testing.assert_array_equal(ours.raw("w"), values.view(torch.int16).numpy().view(np.uint16))
 
 
+def test_read_ints_takes_i64_exactly_and_refuses_any_other_type_in_one_line(tmp_path):
+    """Hash constants of 45+ bits: read exactly as int64; a float or narrower integer tensor is refused
+    by the reader itself too (the loader's plan refuses them first), naming the file and the tensor."""
+    path = tmp_path / "model.safetensors"
+    big = np.array([2**62 + 1, -(2**45) - 3, 1], np.int64)
+    safetensors.numpy.save_file({"constants": big, "narrow": big.astype(np.int32), "floats": big.astype(np.float32)}, path)
+    ours = SafetensorsFile(path)
+    got = ours.read_ints("constants")
+    assert got.dtype == np.int64 and got.tolist() == big.tolist()
+    for name, dtype in (("narrow", "I32"), ("floats", "F32")):
+        with pytest.raises(CheckpointError) as error:
+            ours.read_ints(name)
+        assert str(error.value) == f"{path}: tensor {name} is {dtype}, expected I64"
+
+
 def test_metadata_of_other_kinds(tmp_path):
     """__metadata__ absent or null gives {}; values that are no strings come back as str (the library
     itself only writes strings)."""
