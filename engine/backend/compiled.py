@@ -37,7 +37,7 @@ import platformdirs
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from duet.engine.backend import MAX_ROWS, cpu
-from duet.engine.backend.threads import in_parallel
+from duet.engine.backend.threads import in_compiled_parts, in_parallel
 from duet.engine.quant.activation import ACT_BLOCK, INT8_MAX, round_to_bf16
 from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations
@@ -50,7 +50,7 @@ KERNELS_ENV = "DUET_CPU_KERNELS"  # "numpy" runs the numpy reference Linears ins
 # Products smaller than this many weights run whole on the calling thread: handing a part to the
 # other core costs ~40 us, more than a [1024, 256] product takes (21 us whole). The demo decoded
 # 183 tok/s with this bound, 155 with 2^18 (median of 7 alternating runs).
-SPLIT_MIN_WEIGHTS = 1 << 20
+SPLIT_MIN_WEIGHTS = 1 << 16
 
 
 _CPU_FEATURES: set[str] = set()  # the CPU features the kernels are compiled for (avx2, avx512vnni, ...)
@@ -93,10 +93,12 @@ def unavailable() -> str | None:
 
 def int8_dot_kernels() -> list[str]:
     """The integer-dot kernel families this CPU runs, the default first: "vnni" (AVX512-VNNI's
-    vpdpbusd, 64 byte products an instruction) where the CPU has it, and always "generic" (plain
-    loops that LLVM vectorizes). Their integer dots are exact, so both give the same bits."""
-    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= _CPU_FEATURES
-    return ["vnni", "generic"] if vnni else ["generic"]
+    vpdpbusd, 64 byte products an instruction) where the CPU has it, else "avx2" (vpmaddubsw and
+    vpmaddwd, 32 byte products in two instructions) where it has AVX2, and always "generic" (plain
+    loops that LLVM vectorizes). Their integer dots are exact, so all give the same bits."""
+    if {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= _CPU_FEATURES:
+        return ["vnni", "generic"]
+    return ["avx2", "generic"] if "avx2" in _CPU_FEATURES else ["generic"]
 
 
 def bf16_dot_kernels() -> list[str]:
@@ -113,6 +115,40 @@ def _jit(fastmath: bool = False, inline: str = "never"):
     if not _numba:
         return lambda f: f
     return _numba.njit(nogil=True, cache=True, fastmath=fastmath, inline=inline, error_model="numpy")
+
+
+_PART_DRIVERS: dict = {}  # kernel -> its parts driver (parts_driver)
+
+
+def parts_driver(kernel):
+    """kernel(*args, lo, hi) over [0, n) cut into `parts` contiguous ranges that numba's threads run
+    at once: driver(args, n, parts). Each range runs the kernel's own code, so the bits of every item
+    are those of a whole run. None without numba. Made once a kernel, compiled on first use."""
+    if not _numba:
+        return None
+    if kernel not in _PART_DRIVERS:
+        @_numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
+        def driver(args, n, parts):
+            for part in _numba.prange(parts):
+                kernel(*args, n * part // parts, n * (part + 1) // parts)
+
+        _PART_DRIVERS[kernel] = driver
+    return _PART_DRIVERS[kernel]
+
+
+def split_kernel(kernel, args: tuple, n: int, split: bool = True) -> None:
+    """kernel(*args, lo, hi) over [0, n), in parts on numba's threads when `split` (threads.in_compiled_parts)."""
+    in_compiled_parts(parts_driver(kernel), kernel, args, n, split)
+
+
+# The int8 kernels in quads (vpdpbusd's layout) run this CPU's family: a column is the lanes one vector
+# holds (16 int32 lanes of 64 bytes for vpdpbusd, 8 of 32 bytes on AVX2), QUAD_BLOCK columns are summed
+# side by side (vpdpbusd's 5-cycle latency hides behind 4 chains; on AVX2 the chain is one vpaddd, and 2
+# columns keep the 16 ymm registers unspilled). Byte planes hold level + QUAD_BIAS: vpdpbusd multiplies
+# unsigned by signed bytes (+ 128), AVX2's sign trick takes the signed level itself.
+QUAD_FAMILY = int8_dot_kernels()[0]
+QUAD_COLUMN, QUAD_BLOCK = (16, 8) if QUAD_FAMILY == "vnni" else (8, 8)
+QUAD_BIAS = 128 if QUAD_FAMILY == "vnni" else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,20 +216,26 @@ if _numba:
 
         return _numba.types.float32(bits), codegen
 
-    DPBUSD_BLOCK = 4  # 16-lane columns summed side by side: vpdpbusd's 5-cycle latency hides behind 4 chains
-
-    def _dpbusd_columns(nibbles: bool):
+    def _quad_columns(nibbles: bool):
         """The intrinsic below, for byte planes or (nibbles) for planes of two levels a byte."""
 
-        def dpbusd_columns(typingctx, plane, x, dots, x_at, quads, lanes):
-            """In compiled code, on AVX512-VNNI only (LLVM cannot emit it elsewhere: call it only when
-            int8_dot_kernels() offers "vnni"): dots[c] for lanes c < lanes // 16 * 16 = the sum over
-            quads p of the 4 products of plane's bytes (p * lanes + c) * 4 + s (uint8) with x's bytes
-            x_at + (p * lanes + c) * 4 + s (int8), s = 0..3. One vpdpbusd multiplies 64 byte pairs and
-            adds each 4 into an int32 lane; accumulators stay in registers, DPBUSD_BLOCK columns at a
-            time. The nibble form takes each plane byte's low nibble against x as above and its high
-            nibble against the x byte one plane (quads * lanes * 4 bytes) further on, into the same sum.
-            plane uint8, x int8, dots int32: 1-D C arrays; lanes past the last whole 16 are left alone."""
+        def quad_columns(typingctx, plane, x, dots, x_at, quads, lanes):
+            """In compiled code, on the CPU of int8_dot_kernels()'s "vnni" or "avx2" family only (LLVM
+            cannot emit their instructions elsewhere): dots[c] for lanes c < lanes // QUAD_COLUMN *
+            QUAD_COLUMN = the sum over quads p of the 4 products of plane's bytes (p * lanes + c) * 4 + s
+            with x's bytes x_at + (p * lanes + c) * 4 + s (int8), s = 0..3. The nibble form takes each
+            plane byte's low nibble (0..15) against x as above and its high nibble against the x byte one
+            plane (quads * lanes * 4 bytes) further on, into the same sum. A plane byte is read as the
+            family stores it: uint8 on vnni (vpdpbusd multiplies unsigned by signed bytes: levels + 128),
+            int8 on avx2. plane uint8, x int8, dots int32: 1-D C arrays; lanes past the last whole column
+            are left alone. Accumulators stay in registers, QUAD_BLOCK columns at a time.
+
+            vnni: one vpdpbusd multiplies 64 byte pairs and adds each 4 into an int32 lane. avx2:
+            vpmaddubsw multiplies 32 unsigned by signed bytes and adds pairs into int16 (saturating),
+            vpmaddwd by ones adds those pairs into int32. Nibble pairs are at most 2 * 15 * 127 and the
+            two nibbles' sums add in int16 before the widening (4 * 1905: no saturation). Bytes use
+            the sign trick: |w| (unsigned, 128 for -128) times x with w's sign, pairs at most
+            2 * 128 * 127 = 32512 < 2^15."""
             types = _numba.types
             if (plane.dtype, x.dtype, dots.dtype) != (types.uint8, types.int8, types.int32):
                 return None
@@ -204,52 +246,81 @@ if _numba:
 
                 ir = llvmlite.ir
                 plane_v, x_v, dots_v, x_at, quads_v, lanes_v = args
-                vector = ir.VectorType(ir.IntType(32), 16)  # 64 bytes seen as 16 int32 lanes
+                vector = ir.VectorType(ir.IntType(32), QUAD_COLUMN)
                 intp = context.get_value_type(types.intp)
                 const = lambda v: ir.Constant(intp, v)  # noqa: E731
-                low_nibbles, four = ir.Constant(vector, [0x0F0F0F0F] * 16), ir.Constant(vector, [4] * 16)
-                vpdpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
-                                                          "llvm.x86.avx512.vpdpbusd.512")
+                low_nibbles, four = ir.Constant(vector, [0x0F0F0F0F] * QUAD_COLUMN), ir.Constant(vector, [4] * QUAD_COLUMN)
+                function = lambda name, result, *operands: cgutils.get_or_insert_function(  # noqa: E731
+                    builder.module, ir.FunctionType(result, list(operands)), name)
+                if QUAD_FAMILY == "vnni":
+                    vpdpbusd = function("llvm.x86.avx512.vpdpbusd.512", vector, vector, vector, vector)
+                else:
+                    i8s, i16s, i1 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.IntType(1)
+                    maddubs = function("llvm.x86.avx2.pmadd.ub.sw", i16s, i8s, i8s)
+                    maddwd = function("llvm.x86.avx2.pmadd.wd", vector, i16s, i16s)
+                    sign = function("llvm.x86.avx2.psign.b", i8s, i8s, i8s)
+                    absolute = function("llvm.abs.v32i8", i8s, i8s, i1)
+                    ones = ir.Constant(i16s, [1] * 16)
+
+                    def pairs(unsigned, signed):
+                        return builder.call(maddubs, [builder.bitcast(unsigned, i8s), builder.bitcast(signed, i8s)])
+
+                    def widen(acc, sums):
+                        return builder.add(acc, builder.call(maddwd, [sums, ones]))
+
                 data = [context.make_array(t)(context, builder, v).data for t, v in zip(signature.args[:3], args[:3])]
                 plane_bytes = builder.mul(builder.mul(quads_v, lanes_v), const(4))
-                accumulators = [cgutils.alloca_once(builder, vector) for _ in range(DPBUSD_BLOCK)]
+                accumulators = [cgutils.alloca_once(builder, vector) for _ in range(QUAD_BLOCK)]
 
                 def load(array, at):
                     return builder.load(builder.bitcast(builder.gep(array, [at]), vector.as_pointer()), align=1)
+
+                def dot(acc, codes, at):
+                    """acc + the quads' sums of one column's plane bytes `codes` with x's at byte `at`."""
+                    if QUAD_FAMILY == "vnni":
+                        if nibbles:  # shifting each 32-bit lane by 4 moves every byte's high nibble down
+                            high = builder.and_(builder.lshr(codes, four), low_nibbles)
+                            acc = builder.call(vpdpbusd, [acc, high, load(data[1], builder.add(at, plane_bytes))])
+                            codes = builder.and_(codes, low_nibbles)
+                        return builder.call(vpdpbusd, [acc, codes, load(data[1], at)])
+                    if nibbles:
+                        high = builder.and_(builder.lshr(codes, four), low_nibbles)
+                        both = builder.add(pairs(builder.and_(codes, low_nibbles), load(data[1], at)),
+                                           pairs(high, load(data[1], builder.add(at, plane_bytes))))
+                        return widen(acc, both)
+                    w = builder.bitcast(codes, i8s)
+                    magnitude = builder.call(absolute, [w, ir.Constant(i1, 0)])  # -128 -> 0x80, 128 unsigned
+                    signed_x = builder.call(sign, [builder.bitcast(load(data[1], at), i8s), w])  # x * sign(w)
+                    return widen(acc, pairs(magnitude, signed_x))
 
                 def columns_from(first, count: int) -> None:
                     for acc in accumulators[:count]:
                         builder.store(ir.Constant(vector, None), acc)
                     with cgutils.for_range(builder, quads_v) as p:
                         for j in range(count):
-                            lane = builder.mul(builder.add(first, const(j)), const(16))
+                            lane = builder.mul(builder.add(first, const(j)), const(QUAD_COLUMN))
                             byte = builder.mul(builder.add(builder.mul(p.index, lanes_v), lane), const(4))
-                            codes, at = load(data[0], byte), builder.add(x_at, byte)
                             acc = builder.load(accumulators[j])
-                            if nibbles:  # shifting each 32-bit lane by 4 moves every byte's high nibble down
-                                high = builder.and_(builder.lshr(codes, four), low_nibbles)
-                                acc = builder.call(vpdpbusd, [acc, high, load(data[1], builder.add(at, plane_bytes))])
-                                codes = builder.and_(codes, low_nibbles)
-                            builder.store(builder.call(vpdpbusd, [acc, codes, load(data[1], at)]), accumulators[j])
+                            builder.store(dot(acc, load(data[0], byte), builder.add(x_at, byte)), accumulators[j])
                     for j in range(count):
-                        out = builder.gep(data[2], [builder.mul(builder.add(first, const(j)), const(16))])
+                        out = builder.gep(data[2], [builder.mul(builder.add(first, const(j)), const(QUAD_COLUMN))])
                         builder.store(builder.load(accumulators[j]), builder.bitcast(out, vector.as_pointer()), align=1)
 
-                columns = builder.sdiv(lanes_v, const(16))
-                blocks = builder.sdiv(columns, const(DPBUSD_BLOCK))
+                columns = builder.sdiv(lanes_v, const(QUAD_COLUMN))
+                blocks = builder.sdiv(columns, const(QUAD_BLOCK))
                 with cgutils.for_range(builder, blocks) as block:
-                    columns_from(builder.mul(block.index, const(DPBUSD_BLOCK)), DPBUSD_BLOCK)
-                done = builder.mul(blocks, const(DPBUSD_BLOCK))
+                    columns_from(builder.mul(block.index, const(QUAD_BLOCK)), QUAD_BLOCK)
+                done = builder.mul(blocks, const(QUAD_BLOCK))
                 with cgutils.for_range(builder, builder.sub(columns, done)) as rest:
                     columns_from(builder.add(done, rest.index), 1)
                 return context.get_dummy_value()
 
             return signature, codegen
 
-        return intrinsic(dpbusd_columns)
+        return intrinsic(quad_columns)
 
-    dpbusd_columns = _dpbusd_columns(nibbles=False)
-    dpbusd_nibble_columns = _dpbusd_columns(nibbles=True)
+    quad_columns = _quad_columns(nibbles=False)
+    nibble_quad_columns = _quad_columns(nibbles=True)
 
     def _bf16_tile(tokens: int, blocks: int):
         """The intrinsic below for a tile of `tokens` token rows by `blocks` blocks of 32 weight rows."""
@@ -447,9 +518,10 @@ def _subtract_minimum(minimum, g, x_sum, x_scale, R, acc, out):
 
 @_jit()
 def _quad_tail(plane, x, x_at, quads, dots):
-    """What dpbusd_columns leaves: dots[c] for the lanes past the last whole 16, the same sums in loops."""
+    """What quad_columns leaves: dots[c] for the lanes past the last whole column, the same sums in
+    loops (plane uint8 read as unsigned, or int8)."""
     L = dots.shape[0]
-    for c in range(L // 16 * 16, L):
+    for c in range(L // QUAD_COLUMN * QUAD_COLUMN, L):
         total = np.int32(0)
         for p in range(quads):
             for s in range(4):
@@ -460,28 +532,28 @@ def _quad_tail(plane, x, x_at, quads, dots):
 
 @_jit()
 def _w4a8_nibble_quads(codes, scale, x, x_sum, x_scale, R, out, lo, hi):
-    """_w4a8_nibbles on AVX512-VNNI. codes uint8 [G, unit/8 * L * 4]: byte (p, lane, s) holds position
-    4p + s in its low nibble and unit/2 + 4p + s in its high one; x int8 [T, 2 * unit/8 * L * 4], the
-    low positions' quads then the high ones', laid out as the bytes; x_sum int32 [T, L]. Per row
-    dpbusd_nibble_columns sums both nibbles' products a lane, and dot = that - 8 x_sum:
-    _w4a8_nibbles' integers, so through _rescale its bits."""
+    """_w4a8_nibbles with quad_columns (int8_dot_kernels' "vnni" or "avx2"). codes uint8 [G, unit/8 * L * 4]:
+    byte (p, lane, s) holds position 4p + s in its low nibble and unit/2 + 4p + s in its high one;
+    x int8 [T, 2 * unit/8 * L * 4], the low positions' quads then the high ones', laid out as the
+    bytes; x_sum int32 [T, L]. Per row nibble_quad_columns sums both nibbles' products a lane, and
+    dot = that - 8 x_sum: _w4a8_nibbles' integers, so through _rescale its bits."""
     T, n, L = x.shape[0], codes.shape[1], scale.shape[1]
     quads = n // (4 * L)
-    low_levels, high_levels = np.empty(n, np.uint8), np.empty(n, np.uint8)  # for the lanes past the last 16
+    low_levels, high_levels = np.empty(n, np.uint8), np.empty(n, np.uint8)  # for the lanes past the last column
     dots, high, terms, scratch = np.empty(L, np.int32), np.empty(L, np.int32), np.empty(L, np.float32), np.empty(L, np.uint32)
     for g in range(lo, hi):
         c, group_scale = codes[g], unit_scales(scale[g], scratch)
-        tail = L % 16 != 0
+        tail = L % QUAD_COLUMN != 0
         for i in range(n if tail else 0):
             low_levels[i] = c[i] & np.uint8(15)
             high_levels[i] = c[i] >> np.uint8(4)
         for t in range(T):
             xt = x[t]
-            dpbusd_nibble_columns(c, xt, dots, 0, quads, L)
+            nibble_quad_columns(c, xt, dots, 0, quads, L)
             if tail:
                 _quad_tail(low_levels, xt, 0, quads, dots)
                 _quad_tail(high_levels, xt, n, quads, high)
-                for i in range(L // 16 * 16, L):
+                for i in range(L // QUAD_COLUMN * QUAD_COLUMN, L):
                     dots[i] += high[i]
             for i in range(L):
                 dots[i] -= 8 * x_sum[t, i]
@@ -490,21 +562,22 @@ def _w4a8_nibble_quads(codes, scale, x, x_sum, x_scale, R, out, lo, hi):
 
 @_jit()
 def _w4a8_byte_quads(codes, scale, minimum, x, x_scale, x_sum, lane_sum, R, out, lo, hi):
-    """_w4a8_bytes on AVX512-VNNI. codes uint8 [G, unit/4 * L * 4]: level + 128 at byte (p, lane, s)
-    for position 4p + s (vpdpbusd multiplies unsigned by signed bytes); x int8 [T, unit/4 * L * 4]
-    likewise; lane_sum int32 [T, L] (x_sum of each lane's unit). dot = the quads' sum - 128 lane_sum:
-    _w4a8_bytes' integers, then its rescale and minimum, so its bits."""
+    """_w4a8_bytes with quad_columns. codes uint8 [G, unit/4 * L * 4]: level + QUAD_BIAS at byte
+    (p, lane, s) for position 4p + s; x int8 [T, unit/4 * L * 4] likewise; lane_sum int32 [T, L]
+    (x_sum of each lane's unit). dot = the quads' sum - QUAD_BIAS lane_sum: _w4a8_bytes' integers,
+    then its rescale and minimum, so its bits."""
     T, n, L = x.shape[0], codes.shape[1], scale.shape[1]
     quads = n // (4 * L)
     dots, terms, acc = np.empty(L, np.int32), np.empty(L, np.float32), np.empty(R, np.float32)
     scratch = np.empty(L, np.uint32)
     for g in range(lo, hi):
         c, group_scale = codes[g], unit_scales(scale[g], scratch)
+        tail_plane = c if QUAD_BIAS else c.view(np.int8)  # the tail reads the levels as the columns do
         for t in range(T):
-            dpbusd_columns(c, x[t], dots, 0, quads, L)
-            _quad_tail(c, x[t], 0, quads, dots)
-            for i in range(L):
-                dots[i] -= 128 * lane_sum[t, i]
+            quad_columns(c, x[t], dots, 0, quads, L)
+            _quad_tail(tail_plane, x[t], 0, quads, dots)
+            for i in range(L if QUAD_BIAS else 0):
+                dots[i] -= QUAD_BIAS * lane_sum[t, i]
             _rescale(dots, group_scale, x_scale[t], terms, R, out, t, g * R)
         _subtract_minimum(minimum, g, x_sum, x_scale, R, acc, out)
 
@@ -545,7 +618,7 @@ def position_offsets(unit: int, half: int, width: int, L: int) -> np.ndarray:
     """Where the kernels' layouts put position j of a unit, before its lane's own offset (lane * width):
     a unit's positions in halves of `half` (unit/2 for the nibble kernels, whose bytes hold a low and
     a high half; unit for the byte kernels), each half in runs of `width` adjacent positions a lane
-    (1: position-major; 2: pairs, _w4a8_nibbles; 4: quads, the vpdpbusd kernels), runs of L lanes.
+    (1: position-major; 2: pairs, _w4a8_nibbles; 4: quads, the quad_columns kernels), runs of L lanes.
     int64 [unit]."""
     j = np.arange(unit)
     runs = j // half * (half // width) + j % half // width
@@ -648,7 +721,7 @@ def _dense_rows(kernel, weight: np.ndarray, x: np.ndarray) -> np.ndarray:
     N, K = weight.shape
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty((x.shape[0], N), np.float32)
-    in_parallel(lambda lo, hi: kernel(weight, x, out, lo, hi), -(-N // DENSE_GROUP), split=N * K >= SPLIT_MIN_WEIGHTS, blas=False)
+    split_kernel(kernel, (weight, x, out), -(-N // DENSE_GROUP), split=N * K >= SPLIT_MIN_WEIGHTS)
     return out
 
 
@@ -874,7 +947,7 @@ class UnitPlanes:
     codes    `nibbles` (levels -8..7 + 8, two a byte): uint8 [G, unit/4, L, 2], byte (p, lane, s) holding
              positions 2p + s and unit/2 + 2p + s; or, `quads`, [G, unit/8, L, 4] holding 4p + s and
              unit/2 + 4p + s. Else one level a byte: int8 [G, unit, L]; or, `quads`, uint8
-             [G, unit/4, L, 4], level + 128 of position 4p + s (vpdpbusd's unsigned operand)
+             [G, unit/4, L, 4], level + QUAD_BIAS of position 4p + s (as this CPU's quad_columns reads it)
     scale    [G, L]: the weight scale of each unit, fp32 (bf16 or a product of f16s, exact), or
              uint16 f16 bits for Q4_0 / Q8_0, as their blocks hold them (half the bytes: the 0.8B
              Q4_0 file's planes were 45 MB larger than its blocks with fp32 scales)
@@ -889,7 +962,7 @@ class UnitPlanes:
     group: int  # weight rows side by side in a group (R)
     unit: int
     nibbles: bool
-    quads: bool  # laid out for the vpdpbusd kernels (int8_dot_kernels' "vnni")
+    quads: bool  # laid out for the quad_columns kernels (int8_dot_kernels' "vnni" or "avx2")
 
     @property
     def units(self) -> int:
@@ -931,7 +1004,7 @@ def rows_per_group(units: int) -> int:
 def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int, quads: bool = False) -> UnitPlanes:
     """Lay a matrix's levels out by units of `unit` inputs, R rows side by side, a chunk of rows at a
     time split between the cores. Two levels a byte where every level fits a nibble (W4, Q4_0);
-    `quads`: in runs of four positions a lane, for the vpdpbusd kernels (UnitPlanes.codes)."""
+    `quads`: in runs of four positions a lane, for the quad_columns kernels (UnitPlanes.codes)."""
     N, K = weight.shape
     U = K // unit
     R = rows_per_group(U)
@@ -940,7 +1013,7 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int, quads: boo
     width = 4 if quads else 2 if nibbles else 1  # adjacent positions a lane
     positions = unit // 2 if nibbles else unit  # bytes a unit has in a row
     codes = np.empty((G, positions // width, R * U, width), np.uint8 if quads or nibbles else np.int8)
-    flip = 0x80 if quads and not nibbles else 0  # level + 128 (stored blocks' bytes: level ^ 0x80, the same)
+    flip = QUAD_BIAS if quads and not nibbles else 0  # level + 128 (stored blocks' bytes: level ^ 0x80, the same)
     as_stored = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0") and unit == 32
     scale = np.empty((G, R * U), np.uint16 if as_stored else np.float32)  # Q4_0 / Q8_0: their f16 bits
     has_minimum = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_K", "Q5_K")
@@ -1021,12 +1094,13 @@ def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int
 
 
 # ---------------------------------------------------------------------------------------------
-# Linears. Each has prepare(x rows) -> the activations as its kernel reads them, and
-# kernel(prepared, out rows, lo, hi) over groups [lo, hi).
+# Linears.
 
 
 class TiledLinear(cpu.Linear):
-    """What the quantized compiled Linears share: their UnitPlanes and the call in tiles of token rows."""
+    """What the quantized compiled Linears share: their UnitPlanes and the call in tiles of token rows.
+    Each kind has prepare(x rows) -> the activations as its kernel reads them, and launch(prepared,
+    out rows) -> (kernel, args): the kernel runs kernel(*args, lo, hi) over groups [lo, hi)."""
 
     planes: UnitPlanes
 
@@ -1045,9 +1119,8 @@ class TiledLinear(cpu.Linear):
         out = np.empty((x.shape[0], N), np.float32)
         groups = self.planes.codes.shape[0]
         for t0 in range(0, x.shape[0], MAX_ROWS):
-            prepared, out_rows = self.prepare(x[t0 : t0 + MAX_ROWS]), out[t0 : t0 + MAX_ROWS]
-            in_parallel(lambda lo, hi: self.kernel(prepared, out_rows, lo, hi), groups,
-                        split=N * K >= SPLIT_MIN_WEIGHTS, blas=False)
+            kernel, args = self.launch(self.prepare(x[t0 : t0 + MAX_ROWS]), out[t0 : t0 + MAX_ROWS])
+            split_kernel(kernel, args, groups, split=N * K >= SPLIT_MIN_WEIGHTS)
         return out
 
     def leading_rows(self, stop: int) -> TiledLinear | None:
@@ -1072,12 +1145,12 @@ class TiledLinear(cpu.Linear):
 class W4A8Linear(TiledLinear):
     """`w4a8` on W4 and GGUF blocks: activations int8 per 32 inputs (absmax, fp32 scale), an
     integer dot per unit, fp32 rescale, as cpu.W4A8Linear; sums in unit order (_w4a8_nibbles,
-    _w4a8_bytes, or their vpdpbusd forms: `kernels` is one of int8_dot_kernels(), the first by default)."""
+    _w4a8_bytes, or their quad_columns forms: `kernels` is one of int8_dot_kernels(), the first by default)."""
 
     route = "w4a8"
 
     def __init__(self, weight: W4Weight | BlockMatrix, kernels: str | None = None):
-        p = self.planes = repack(weight, min(ACT_BLOCK, weight.block_size()), quads=(kernels or int8_dot_kernels()[0]) == "vnni")
+        p = self.planes = repack(weight, min(ACT_BLOCK, weight.block_size()), quads=(kernels or QUAD_FAMILY) != "generic")
         self.offsets = position_offsets(p.unit, p.unit // 2 if p.nibbles else p.unit, p.width, p.units * p.group)
 
     def prepare(self, x: np.ndarray):
@@ -1086,20 +1159,18 @@ class W4A8Linear(TiledLinear):
         q = np.empty((T, p.unit * lanes), np.int16 if p.width == 1 else np.int8)
         x_scale, x_sum = np.empty((T, lanes), np.float32), np.empty((T, p.units), np.float32)
         _int8_lanes(np.ascontiguousarray(x, dtype=np.float32), p.unit, p.group, self.offsets, p.width, q, x_scale, x_sum)
-        # the kernels undo the nibbles' + 8, or the vpdpbusd bytes' + 128, with each lane's unit sum
+        # the kernels undo the nibbles' + 8, or the quad bytes' + QUAD_BIAS, with each lane's unit sum
         lane_sum = np.repeat(x_sum.astype(np.int32), p.group, axis=1) if p.nibbles or p.quads else None
         return q, x_scale, x_sum, lane_sum
 
-    def kernel(self, prepared, out: np.ndarray, lo: int, hi: int) -> None:
+    def launch(self, prepared, out: np.ndarray):
         q, x_scale, x_sum, lane_sum = prepared
         p = self.planes
         if p.nibbles:
-            nibbles = _w4a8_nibble_quads if p.quads else _w4a8_nibbles
-            nibbles(p.flat_codes, p.scale, q, lane_sum, x_scale, p.group, out, lo, hi)
-        elif p.quads:
-            _w4a8_byte_quads(p.flat_codes, p.scale, p.minimum, q, x_scale, x_sum, lane_sum, p.group, out, lo, hi)
-        else:
-            _w4a8_bytes(p.flat_codes, p.scale, p.minimum, q, x_scale, x_sum, p.group, out, lo, hi)
+            return _w4a8_nibble_quads if p.quads else _w4a8_nibbles, (p.flat_codes, p.scale, q, lane_sum, x_scale, p.group, out)
+        if p.quads:
+            return _w4a8_byte_quads, (p.flat_codes, p.scale, p.minimum, q, x_scale, x_sum, lane_sum, p.group, out)
+        return _w4a8_bytes, (p.flat_codes, p.scale, p.minimum, q, x_scale, x_sum, p.group, out)
 
 
 class TrellisLinear(TiledLinear):
@@ -1114,7 +1185,7 @@ class TrellisLinear(TiledLinear):
     def __init__(self, weight: TrellisWeight, kernels: str | None = None):
         self.weight = weight  # the coded form (a few bits a weight), as the numpy Linear keeps it
         self.seed, self.row_scale = weight.seed, weight.row_scale.astype(np.float32)
-        self.planes = repack(weight, GROUP, quads=(kernels or int8_dot_kernels()[0]) == "vnni")
+        self.planes = repack(weight, GROUP, quads=(kernels or QUAD_FAMILY) != "generic")
 
     def prepare(self, x: np.ndarray):
         q, act_scale = rotated_int8_activations(x, self.seed)  # [T, B, 128], [T, B]
@@ -1128,15 +1199,17 @@ class TrellisLinear(TiledLinear):
         lane_sum = np.repeat(q.sum(axis=2, dtype=np.int32), p.group, axis=1)  # [T, B * R]
         return quads.reshape(T, -1), lane_scale, act_scale.astype(np.float32), lane_sum
 
-    def kernel(self, prepared, out: np.ndarray, lo: int, hi: int) -> None:
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = super().__call__(x)
+        out *= self.row_scale
+        return out
+
+    def launch(self, prepared, out: np.ndarray):
         q, lane_scale, act_scale, lane_sum = prepared  # act_scale stands in for x_sum: no minimum reads it
         p = self.planes
         if p.quads:
-            _w4a8_byte_quads(p.flat_codes, p.scale, p.minimum, q, lane_scale, act_scale, lane_sum, p.group, out, lo, hi)
-        else:
-            _w4a8_bytes(p.flat_codes, p.scale, p.minimum, q, lane_scale, act_scale, p.group, out, lo, hi)
-        rows = slice(lo * p.group, min(hi * p.group, p.rows))
-        out[:, rows] *= self.row_scale[rows]
+            return _w4a8_byte_quads, (p.flat_codes, p.scale, p.minimum, q, lane_scale, act_scale, lane_sum, p.group, out)
+        return _w4a8_bytes, (p.flat_codes, p.scale, p.minimum, q, lane_scale, act_scale, p.group, out)
 
 
 class W4A16Linear(TiledLinear):
@@ -1151,8 +1224,8 @@ class W4A16Linear(TiledLinear):
     def prepare(self, x: np.ndarray):
         return self.by_lanes(round_to_bf16(x), np.float32)
 
-    def kernel(self, x: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
-        _w4a16_nibbles(self.planes.codes, self.planes.scale, x, self.planes.units, out, lo, hi)
+    def launch(self, x: np.ndarray, out: np.ndarray):
+        return _w4a16_nibbles, (self.planes.codes, self.planes.scale, x, self.planes.units, out)
 
 
 class DenseLinear(cpu.DenseLinear):
@@ -1225,7 +1298,7 @@ class BF16Linear(cpu.Linear):
         if x.shape[0] <= MAX_ROWS:
             blocks = self.lanes.shape[0]
             out = np.empty((x.shape[0], blocks * 32), np.float32)
-            in_parallel(lambda lo, hi: _bf16_lanes(self.lanes, x, out, lo, hi), blocks, split=N * K >= SPLIT_MIN_WEIGHTS, blas=False)
+            split_kernel(_bf16_lanes, (self.lanes, x, out), blocks, split=N * K >= SPLIT_MIN_WEIGHTS)
             return out if N == blocks * 32 else np.ascontiguousarray(out[:, :N])
         out = np.empty((x.shape[0], N), np.float32)
         if self.lanes is not None:

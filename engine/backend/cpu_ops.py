@@ -485,8 +485,8 @@ class CpuOps:
         f32 = [np.ascontiguousarray(x, dtype=np.float32) for x in (mixed, z, b, a)]
         vectors = [np.ascontiguousarray(x, dtype=np.float32) for x in (layer.decay_rate, layer.dt_bias, layer.norm)]
         eps = np.float32(layer.config.rms_norm_eps)
-        in_parallel(lambda lo, hi: compiled.deltanet_heads(*f32, *vectors, eps, per_key, state.recurrent, states, out, lo, hi),
-                    hv, split=T * hv * dk * dv >= DELTANET_SPLIT_MIN, blas=False)
+        compiled.split_kernel(compiled.deltanet_heads, (*f32, *vectors, eps, per_key, state.recurrent, states, out), hv,
+                              split=T * hv * dk * dv >= DELTANET_SPLIT_MIN)
         state.row_states = list(states)
         state.recurrent = states[-1]
         return out.reshape(T, hv * dv)

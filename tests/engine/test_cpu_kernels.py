@@ -15,6 +15,7 @@ prefill; a weight row the same bits however the rows are split between threads.
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 
 import gguf
@@ -176,7 +177,7 @@ def test_activations_are_the_routes_int8_levels_bit_for_bit(qtype, kernels):
     assert lane_sum is None or np.array_equal(lane_sum, np.repeat(unit_sum, p.group, axis=1))
 
 
-def vnni_and_generic(weight, kernels: str):
+def family_and_generic(weight, kernels: str):
     """The same matrix as a Linear of the given kernel family and of the generic one."""
     make = compiled.TrellisLinear if isinstance(weight, T.TrellisWeight) else compiled.W4A8Linear
     return make(weight, kernels), make(weight, "generic")
@@ -193,19 +194,42 @@ def vnni_and_generic(weight, kernels: str):
     lambda: random_trellis(32, 256, 2, 38),
 ], ids=["q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "iq4_xs", "w4", "trellis"])
 def test_each_kernel_family_gives_the_same_bits(make):
-    """The vpdpbusd kernels (on CPUs with AVX512-VNNI) sum the same integer dots as the generic
-    loops, laid out in quads, and rescale them alike: every output bit equal, for 1 to 16 rows and a
-    prefill's tiles, with lanes past the last whole 16 and groups padded past the last row. A CPU
-    without VNNI must offer only the generic kernels (LLVM cannot emit vpdpbusd there)."""
+    """The quad kernels (vpdpbusd on CPUs with AVX512-VNNI, vpmaddubsw + vpmaddwd on AVX2) sum the same
+    integer dots as the generic loops, laid out in quads, and rescale them alike: every output bit
+    equal, for 1 to 16 rows and a prefill's tiles, with lanes past the last whole column and groups
+    padded past the last row. Each family is offered only where the CPU has its instructions."""
     kernels = compiled.int8_dot_kernels()
-    assert kernels[-1] == "generic" and ("vnni" in kernels) == ({"avx512vnni", "avx512bw", "avx512vl"} <= compiled._CPU_FEATURES)
+    vnni = {"avx512vnni", "avx512bw", "avx512vl"} <= compiled._CPU_FEATURES
+    assert kernels == (["vnni", "generic"] if vnni else ["avx2", "generic"] if "avx2" in compiled._CPU_FEATURES else ["generic"])
     weight = make()
     x = activations(40, weight.shape[1], seed=9) * np.float32(3)
     for family in kernels[:-1]:
-        fast, generic = vnni_and_generic(weight, family)
+        fast, generic = family_and_generic(weight, family)
         assert fast.planes.quads and not generic.planes.quads
         for rows in (1, 2, 5, 16, 40):
             assert np.array_equal(fast(x[:rows]), generic(x[:rows])), f"{family}, {rows} rows"
+
+
+def test_the_avx2_family_gives_the_same_bits_on_a_cpu_told_it_has_no_avx512():
+    """CI and users' machines differ: on an AVX-512 CPU the avx2 family would never run in-process.
+    A child told the host's features without AVX-512 (NUMBA_CPU_FEATURES, which duet reads too) must
+    offer avx2 exactly when the CPU has it and give the generic kernels' bits with it."""
+    import subprocess
+    import sys
+
+    import llvmlite.binding
+
+    features = llvmlite.binding.get_host_cpu_features()
+    no_avx512 = ",".join(("+" if on and not name.startswith(("avx512", "avx10", "evex512", "amx")) else "-") + name
+                         for name, on in features.items())
+    test = f"{__file__}::test_each_kernel_family_gives_the_same_bits"
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                           env={**os.environ, "NUMBA_CPU_FEATURES": no_avx512}, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-3000:]
+    assert "8 passed" in child.stdout
+    probe = subprocess.run([sys.executable, "-c", "from duet.engine.backend import compiled; print(compiled.int8_dot_kernels())"],
+                           env={**os.environ, "NUMBA_CPU_FEATURES": no_avx512}, capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip() == str(["avx2", "generic"] if features.get("avx2") else ["generic"])
 
 
 def test_f16_scale_bits_decode_exactly_in_the_kernels():
@@ -279,11 +303,18 @@ def test_a_weight_row_has_the_same_bits_however_the_rows_are_split():
     prepared = linear.prepare(x)
     groups = linear.planes.codes.shape[0]
     whole = np.empty((3, 96), np.float32)
-    linear.kernel(prepared, whole, 0, groups)
+    kernel, args = linear.launch(prepared, whole)
+    kernel(*args, 0, groups)
     parts = np.empty((3, 96), np.float32)
+    kernel, args = linear.launch(prepared, parts)
     for lo, hi in ((0, 1), (1, groups // 2), (groups // 2, groups)):
-        linear.kernel(prepared, parts, lo, hi)
+        kernel(*args, lo, hi)
     assert np.array_equal(whole, parts)
+    for count in (2, 3, groups):  # numba's threads, each a range of groups
+        threaded = np.empty((3, 96), np.float32)
+        kernel, args = linear.launch(prepared, threaded)
+        compiled.parts_driver(kernel)(args, groups, count)
+        assert np.array_equal(whole, threaded), count
 
 
 def test_dense_rows_within_the_sum_bound_and_prefill_through_blas():
@@ -429,7 +460,7 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     reports = []
     compiled.compile_kernels(lambda done, total: reports.append((done, total)))
     assert reports == [(i, len(reports)) for i in range(1, len(reports) + 1)] and len(reports) >= 5
-    w4a8 = [compiled._w4a8_nibble_quads, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] == "vnni" else \
+    w4a8 = [compiled._w4a8_nibble_quads, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] != "generic" else \
         [compiled._w4a8_nibbles, compiled._w4a8_bytes]
     kernels = [*w4a8, compiled._w4a16_nibbles, compiled._dense, compiled.deltanet_heads,
                compiled.rms_norm_rows, compiled.swiglu_rows, compiled.conv_rows, compiled.attend_rows]
