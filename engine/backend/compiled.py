@@ -117,27 +117,20 @@ def _jit(fastmath: bool = False, inline: str = "never"):
     return _numba.njit(nogil=True, cache=True, fastmath=fastmath, inline=inline, error_model="numpy")
 
 
-_PART_DRIVERS: dict = {}  # kernel -> its parts driver (parts_driver)
-
-
 def parts_driver(kernel):
-    """kernel(*args, lo, hi) over [0, n) cut into `parts` contiguous ranges that numba's threads run
-    at once: driver(args, n, parts). Each range runs the kernel's own code, so the bits of every item
-    are those of a whole run. None without numba. Made once a kernel, compiled on first use."""
-    if not _numba:
-        return None
-    if kernel not in _PART_DRIVERS:
-        @_numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")
-        def driver(args, n, parts):
-            for part in _numba.prange(parts):
-                kernel(*args, n * part // parts, n * (part + 1) // parts)
+    """The driver that runs kernel(*args, lo, hi) over [0, n) cut into `parts` contiguous ranges on
+    numba's threads at once: driver(args, n, parts). Each range runs the kernel's own code, so every
+    item has the bits of a whole run. None without numba."""
+    return _PARTS_DRIVERS.get(kernel)
 
-        _PART_DRIVERS[kernel] = driver
-    return _PART_DRIVERS[kernel]
+
+_SEEN_SPLITS: list | None = None  # while compile_kernels runs: (kernel, args, n) of every split_kernel call
 
 
 def split_kernel(kernel, args: tuple, n: int, split: bool = True) -> None:
     """kernel(*args, lo, hi) over [0, n), in parts on numba's threads when `split` (threads.in_compiled_parts)."""
+    if _SEEN_SPLITS is not None:
+        _SEEN_SPLITS.append((kernel, args, n))
     in_compiled_parts(parts_driver(kernel), kernel, args, n, split)
 
 
@@ -940,6 +933,76 @@ def conv_rows(window, taps_by_lag, out):
 # Repacking at load.
 
 
+# Parts drivers (parts_driver), one a kernel that products split, written out: numba's disk cache
+# missed every run for a driver made by a closure over its kernel or taking the kernel as an argument
+# (~14 s of compiling at each load).
+def _parallel_jit(driver):
+    return _numba.njit(parallel=True, nogil=True, cache=True, error_model="numpy")(driver) if _numba else None
+
+
+_prange = _numba.prange if _numba else range
+
+
+@_parallel_jit
+def _w4a8_nibbles_parts(args, n, parts):
+    for p in _prange(parts):
+        _w4a8_nibbles(*args, n * p // parts, n * (p + 1) // parts)
+
+
+@_parallel_jit
+def _w4a8_bytes_parts(args, n, parts):
+    for p in _prange(parts):
+        _w4a8_bytes(*args, n * p // parts, n * (p + 1) // parts)
+
+
+@_parallel_jit
+def _w4a8_nibble_quads_parts(args, n, parts):
+    for p in _prange(parts):
+        _w4a8_nibble_quads(*args, n * p // parts, n * (p + 1) // parts)
+
+
+@_parallel_jit
+def _w4a8_byte_quads_parts(args, n, parts):
+    for p in _prange(parts):
+        _w4a8_byte_quads(*args, n * p // parts, n * (p + 1) // parts)
+
+
+@_parallel_jit
+def _w4a16_nibbles_parts(args, n, parts):
+    for p in _prange(parts):
+        _w4a16_nibbles(*args, n * p // parts, n * (p + 1) // parts)
+
+
+@_parallel_jit
+def _dense_parts(args, n, parts):
+    for p in _prange(parts):
+        _dense(*args, n * p // parts, n * (p + 1) // parts)
+
+
+@_parallel_jit
+def _dense_bf16_parts(args, n, parts):
+    for p in _prange(parts):
+        _dense_bf16(*args, n * p // parts, n * (p + 1) // parts)
+
+
+@_parallel_jit
+def _bf16_lanes_parts(args, n, parts):
+    for p in _prange(parts):
+        _bf16_lanes(*args, n * p // parts, n * (p + 1) // parts)
+
+
+@_parallel_jit
+def _deltanet_heads_parts(args, n, parts):
+    for p in _prange(parts):
+        deltanet_heads(*args, n * p // parts, n * (p + 1) // parts)
+
+
+_PARTS_DRIVERS = {_w4a8_nibbles: _w4a8_nibbles_parts, _w4a8_bytes: _w4a8_bytes_parts,
+                  _w4a8_nibble_quads: _w4a8_nibble_quads_parts, _w4a8_byte_quads: _w4a8_byte_quads_parts,
+                  _w4a16_nibbles: _w4a16_nibbles_parts, _dense: _dense_parts, _dense_bf16: _dense_bf16_parts,
+                  _bf16_lanes: _bf16_lanes_parts, deltanet_heads: _deltanet_heads_parts}
+
+
 @dataclass(frozen=True)
 class UnitPlanes:
     """A quantized matrix [N, K] as the kernels read it (module docstring, kernel shapes: lane v * R + r).
@@ -1357,19 +1420,28 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
                                                                                          BF16Linear(BF16Matrix(np.zeros((8, 256), np.uint16)))]
     steps = [lambda linear=linear: (linear(x1), linear(x4)) for linear in linears]
     vector, rows = np.zeros(2, np.float32), np.zeros((1, 2), np.float32)  # 2 value heads of 4, one key head
-    steps.append(lambda: deltanet_heads(np.zeros((1, 16), np.float32), np.zeros((1, 2, 4), np.float32), rows, rows,
-                                        vector, vector, np.zeros(4, np.float32), np.float32(1e-6), 2,
-                                        np.zeros((2, 4, 4), np.float32), np.zeros((1, 2, 4, 4), np.float32),
-                                        np.zeros((1, 2, 4), np.float32), 0, 2))
+    steps.append(lambda: split_kernel(deltanet_heads, (np.zeros((1, 16), np.float32), np.zeros((1, 2, 4), np.float32), rows, rows,
+                                                       vector, vector, np.zeros(4, np.float32), np.float32(1e-6), 2,
+                                                       np.zeros((2, 4, 4), np.float32), np.zeros((1, 2, 4, 4), np.float32),
+                                                       np.zeros((1, 2, 4), np.float32)), 2, split=False))
     steps.append(lambda: rms_norm_rows(rows, vector, np.float32(1e-6), rows.copy()))
     steps.append(lambda: swiglu_rows(np.zeros((1, 4), np.float32), rows.copy()))
     steps.append(lambda: conv_rows(np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32), rows.copy()))
     steps.append(lambda: attend_rows(np.zeros((1, 2, 4), np.float32), np.zeros((1, 4, 4), np.float32),
                                      np.zeros((1, 4, 4), np.float32), 0, np.zeros((1, 8), np.float32)))
-    for done, step in enumerate(steps, 1):
-        step()
-        if report:
-            report(done, len(steps))
+    global _SEEN_SPLITS
+    _SEEN_SPLITS = seen = []
+    try:
+        for done, step in enumerate(steps, 1):
+            step()
+            # its kernels' parts drivers too (these inputs are too small to split): same argument types
+            for kernel, args, n in seen:
+                parts_driver(kernel)(args, n, 2)
+            seen.clear()
+            if report:
+                report(done, len(steps))
+    finally:
+        _SEEN_SPLITS = None
 
 
 def make_linear(weight, route: str):
