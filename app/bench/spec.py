@@ -2,15 +2,18 @@
 
 For a prose prompt and a copy-heavy one, every drafter the checkpoint supports runs under both
 rules with the same seed; the table shows tokens per cycle, acceptance, lossy keeps, decode tok/s
-and the speed-up over no drafts measured in the same run.
+and the speed-up over no drafts measured in the same run. Each setting runs `--repeats` times, the
+settings taking turns (so a slow spell of the machine falls on all of them), and the median tok/s
+counts: on the demo a run lasts ~0.1 s, and one run each moved the same setting by +-30%.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
-from duet.engine import Accept, Draft, Finished, GenerateOptions, SamplingParams, generate, load_model
+from duet.engine import Accept, Draft, DuetError, Finished, GenerateOptions, SamplingParams, generate, load_model
 
 PROSE = "Tell me of the sea, and of the ships that go down to it."
 COPY = ("Repeat this passage exactly, but write 'sea' where it says 'waters':\n"
@@ -25,12 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.7,
                         help="sampling temperature (default 0.7, with top-k 20 and top-p 0.95 as the seed's runs; 0 greedy)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each setting, taking turns; the median counts (default 5)")
     parser.add_argument("--json", action="store_true", help="print one JSON object with all figures")
 
 
 def run(args: argparse.Namespace) -> int:
     from duet.app.settings import bundled_demo_model
 
+    if args.repeats < 1:
+        raise DuetError(f"--repeats must be at least 1 (got {args.repeats})")
     lm = load_model(args.model or bundled_demo_model())
     sampling = SamplingParams(temperature=args.temperature, top_k=20 if args.temperature else 0,
                               top_p=0.95 if args.temperature else 1.0, seed=args.seed)
@@ -39,21 +45,26 @@ def run(args: argparse.Namespace) -> int:
     for prompt_name, text in (("prose", PROSE), ("copy", COPY)):
         ids = lm.tokenizer.encode(lm.tokenizer.render_chat([{"role": "user", "content": text}]))
         finished_stats(lm, ids, GenerateOptions(max_tokens=8, draft=Draft.NONE))  # warm caches before timing
-        baseline = None
-        for drafter in drafters:
-            for rule in ([Accept.EXACT] if drafter == Draft.NONE else list(Accept)):
+        settings = [(drafter, rule) for drafter in drafters
+                    for rule in ([Accept.EXACT] if drafter == Draft.NONE else list(Accept))]
+        runs = {setting: [] for setting in settings}
+        for _ in range(args.repeats):
+            for drafter, rule in settings:
                 options = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, draft=drafter, accept=rule)
-                stats = finished_stats(lm, ids, options)
-                baseline = baseline or stats.decode_tok_s
-                rows.append({
-                    "prompt": prompt_name, "drafter": drafter, "accept": rule,
-                    "generated_tokens": stats.generated_tokens, "tokens_per_cycle": round(stats.tokens_per_cycle, 3),
-                    "acceptance_rate": round(stats.acceptance_rate, 3), "n_lossy": stats.n_lossy,
-                    "lossy_rate": round(stats.lossy_rate, 4), "decode_tok_s": round(stats.decode_tok_s, 2),
-                    "speedup": round(stats.decode_tok_s / baseline, 3) if baseline else 0.0,
-                })
+                runs[(drafter, rule)].append(finished_stats(lm, ids, options))
+        baseline = statistics.median(s.decode_tok_s for s in runs[(Draft.NONE, Accept.EXACT)])
+        for (drafter, rule), repeats in runs.items():
+            stats, tok_s = repeats[0], statistics.median(s.decode_tok_s for s in repeats)  # same seed: same tokens each run
+            rows.append({
+                "prompt": prompt_name, "drafter": drafter, "accept": rule,
+                "generated_tokens": stats.generated_tokens, "tokens_per_cycle": round(stats.tokens_per_cycle, 3),
+                "acceptance_rate": round(stats.acceptance_rate, 3), "n_lossy": stats.n_lossy,
+                "lossy_rate": round(stats.lossy_rate, 4), "decode_tok_s": round(tok_s, 2),
+                "decode_tok_s_runs": [round(s.decode_tok_s, 2) for s in repeats],
+                "speedup": round(tok_s / baseline, 3) if baseline else 0.0,
+            })
     result = {"benchmark": "spec", "model": lm.name, "temperature": args.temperature, "max_tokens": args.max_tokens,
-              "runs": rows}
+              "repeats": args.repeats, "runs": rows}
     print(json.dumps(result) if args.json else spec_table(result))
     return 0
 
@@ -67,7 +78,7 @@ def finished_stats(lm, ids: list[int], options: GenerateOptions):
 
 def spec_table(result: dict) -> str:
     header = (f"duet bench spec · {result['model']} · temperature {result['temperature']} · "
-              f"{result['max_tokens']} tokens a run\n"
+              f"{result['max_tokens']} tokens a run · median of {result['repeats']} runs each\n"
               f"{'prompt':7} {'drafter':7} {'accept':6} {'tok/cycle':>9} {'accepted':>8} {'lossy':>6} "
               f"{'decode tok/s':>12} {'vs none':>7}")
     lines = [f"{r['prompt']:7} {r['drafter']:7} {r['accept']:6} {r['tokens_per_cycle']:9.2f} "

@@ -15,7 +15,7 @@ FLAGS = {  # each benchmark's flags, as they were before the registry
     "make-random": {"--geometry", "--out", "--layers"},
     "quality": {"--model", "--vs", "--tokens", "--json"},
     "routes": {"--model", "--new-tokens", "--repeats", "--json"},
-    "spec": {"--model", "--max-tokens", "--temperature", "--seed", "--json"},
+    "spec": {"--model", "--max-tokens", "--temperature", "--seed", "--repeats", "--json"},
     "trellis": {"--json"},
     "gpu": {"--json", "--repeats", "--layers", "--table"},
     "heads": {"--geometry", "--repeats", "--rows", "--json"},
