@@ -664,7 +664,7 @@ def position_offsets(unit: int, half: int, width: int, L: int) -> np.ndarray:
 
 
 @_jit()
-def _int8_lanes(x, unit, R, offsets, width, q, x_scale, x_sum):
+def _int8_lanes(x, unit, R, offsets, width, q, x_scale, x_sum, lo, hi):
     """The w4a8 route's activations, laid out for the kernels in one pass (quantize_int8_blocks and
     TiledLinear.by_lanes in numpy, which took ~30 us a call, 110 calls a 0.8B step).
 
@@ -672,10 +672,10 @@ def _int8_lanes(x, unit, R, offsets, width, q, x_scale, x_sum):
     rows): the int8 level of input v * unit + j at offsets[j] + lane * width (position_offsets; int16
     q for the position-major byte kernel, else int8). x_scale fp32 [T, L]: the scale of the 32-input
     block holding the lane's unit (absmax / 127); x_sum fp32 [T, U]: each unit's sum of levels.
-    Levels round half to even (np.rint), as quantize_int8_blocks: the same bits."""
-    T, K = x.shape
+    Levels round half to even (np.rint), as quantize_int8_blocks: the same bits. Token rows [lo, hi)."""
+    K = x.shape[1]
     per_block = ACT_BLOCK // unit  # units an activation scale covers (2 for Q6_K's 16)
-    for t in range(T):
+    for t in range(lo, hi):
         for b in range(K // ACT_BLOCK):
             absmax = np.float32(0)
             for i in range(b * ACT_BLOCK, (b + 1) * ACT_BLOCK):
@@ -694,6 +694,10 @@ def _int8_lanes(x, unit, R, offsets, width, q, x_scale, x_sum):
                         q[t, at + width * r] = level
                 x_sum[t, u] = total
 
+
+# A prefill tile's 16 rows of activations split between the cores (~100 us a tile on one, 865 tiles a
+# 128-token 0.8B prefill); a verify pass's few rows take less than handing half over costs.
+INT8_LANES_SPLIT_ROWS = 8
 
 DENSE_GROUP = 4  # weight rows a dense dot loop serves at once: each load of x feeds four products
 
@@ -1037,6 +1041,12 @@ def _bf16_lanes_parts(args, n, parts):
 
 
 @_parallel_jit
+def _int8_lanes_parts(args, n, parts):
+    for p in _prange(parts):
+        _int8_lanes(*args, n * p // parts, n * (p + 1) // parts)
+
+
+@_parallel_jit
 def _deltanet_heads_parts(args, n, parts):
     for p in _prange(parts):
         deltanet_heads(*args, n * p // parts, n * (p + 1) // parts)
@@ -1045,7 +1055,7 @@ def _deltanet_heads_parts(args, n, parts):
 _PARTS_DRIVERS = {_w4a8_nibbles: _w4a8_nibbles_parts, _w4a8_bytes: _w4a8_bytes_parts,
                   _w4a8_nibble_quads: _w4a8_nibble_quads_parts, _w4a8_byte_quads: _w4a8_byte_quads_parts,
                   _w4a16_nibbles: _w4a16_nibbles_parts, _dense: _dense_parts, _dense_bf16: _dense_bf16_parts,
-                  _bf16_lanes: _bf16_lanes_parts, deltanet_heads: _deltanet_heads_parts}
+                  _bf16_lanes: _bf16_lanes_parts, deltanet_heads: _deltanet_heads_parts, _int8_lanes: _int8_lanes_parts}
 
 
 @dataclass(frozen=True)
@@ -1266,7 +1276,8 @@ class W4A8Linear(TiledLinear):
         T, lanes = x.shape[0], p.units * p.group
         q = np.empty((T, p.unit * lanes), np.int16 if p.width == 1 else np.int8)
         x_scale, x_sum = np.empty((T, lanes), np.float32), np.empty((T, p.units), np.float32)
-        _int8_lanes(np.ascontiguousarray(x, dtype=np.float32), p.unit, p.group, self.offsets, p.width, q, x_scale, x_sum)
+        args = (np.ascontiguousarray(x, dtype=np.float32), p.unit, p.group, self.offsets, p.width, q, x_scale, x_sum)
+        split_kernel(_int8_lanes, args, T, split=T >= INT8_LANES_SPLIT_ROWS)
         # the kernels undo the nibbles' + 8, or the quad bytes' + QUAD_BIAS, with each lane's unit sum
         lane_sum = np.repeat(x_sum.astype(np.int32), p.group, axis=1) if p.nibbles or p.quads else None
         return q, x_scale, x_sum, lane_sum
