@@ -264,8 +264,8 @@ def unit_lower_inverse(L: np.ndarray, keep: np.ndarray) -> np.ndarray:
 class CpuOps:
     """engine/model.py's layers on numpy. Positions are plain ints: the position of a call's first row.
 
-    compiled_steps: a decode or verify pass's per-row steps (norms, conv, SwiGLU, attention, DeltaNet) run as
-    compiled kernels; by default when the compiled kernels are available (decided once: the check
+    compiled_steps: a decode or verify pass's per-row steps (norms, conv, SwiGLU, attention, DeltaNet) and a
+    prefill's SwiGLU run as compiled kernels; by default when the compiled kernels are available (decided once: the check
     reads the environment, ~1 us, which ~150 steps a verify cycle would pay each time)."""
 
     def __init__(self, compiled_steps: bool | None = None):
@@ -367,6 +367,9 @@ class CpuOps:
         product = gate_up.by_feature(x)
         inner = product.shape[0] // 2
         hidden = np.empty((inner, x.shape[0]), np.float32)
+        if self.compiled_steps:
+            compiled.split_kernel(compiled.swiglu_features, (np.ascontiguousarray(product, dtype=np.float32), hidden), inner)
+            return hidden.T
 
         def features(lo: int, hi: int) -> None:
             np.multiply(silu(product[lo:hi]), product[inner + lo : inner + hi], out=hidden[lo:hi])
