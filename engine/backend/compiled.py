@@ -914,25 +914,16 @@ def rms_norm_rows(x, weight, eps, out):
 
 
 @_jit(fastmath=True)
-def swiglu_rows(gate_up, out):
-    """out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate features, then up features)."""
-    T, inner = out.shape
-    for t in range(T):
+def swiglu_rows(gate_up, out, lo, hi):
+    """out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate features, then up features), token
+    rows [lo, hi): a verify pass's few rows, or a prefill's, split between the cores (the gate/up
+    product comes out token-major from the compiled Linears; numpy took a transposing copy, then
+    exp, divide and multiply passes)."""
+    inner = out.shape[1]
+    for t in range(lo, hi):
         gate, up, o = gate_up[t, :inner], gate_up[t, inner:], out[t]  # views from 0: no negative-index checks
         for i in range(inner):
             o[i] = gate[i] / (np.float32(1) + exp_f32(-gate[i])) * up[i]
-
-
-@_jit(fastmath=True)
-def swiglu_features(gate_up, out, lo, hi):
-    """A prefill's SwiGLU, feature-major: out [I, T] = silu(gate) * up for gate_up [2I, T] (gate
-    features, then up features), features [lo, hi); the same arithmetic as swiglu_rows. numpy took
-    three passes and two temporaries (exp, divide, multiply) over [I, T]."""
-    inner = out.shape[0]
-    for i in range(lo, hi):
-        gate, up, o = gate_up[i], gate_up[inner + i], out[i]
-        for t in range(o.shape[0]):
-            o[t] = gate[t] / (np.float32(1) + exp_f32(-gate[t])) * up[t]
 
 
 @_jit(fastmath=True)
@@ -1059,9 +1050,9 @@ def _int8_lanes_parts(args, n, parts):
 
 
 @_parallel_jit
-def _swiglu_features_parts(args, n, parts):
+def _swiglu_rows_parts(args, n, parts):
     for p in _prange(parts):
-        swiglu_features(*args, n * p // parts, n * (p + 1) // parts)
+        swiglu_rows(*args, n * p // parts, n * (p + 1) // parts)
 
 
 @_parallel_jit
@@ -1074,7 +1065,7 @@ _PARTS_DRIVERS = {_w4a8_nibbles: _w4a8_nibbles_parts, _w4a8_bytes: _w4a8_bytes_p
                   _w4a8_nibble_quads: _w4a8_nibble_quads_parts, _w4a8_byte_quads: _w4a8_byte_quads_parts,
                   _w4a16_nibbles: _w4a16_nibbles_parts, _dense: _dense_parts, _dense_bf16: _dense_bf16_parts,
                   _bf16_lanes: _bf16_lanes_parts, deltanet_heads: _deltanet_heads_parts, _int8_lanes: _int8_lanes_parts,
-                  swiglu_features: _swiglu_features_parts}
+                  swiglu_rows: _swiglu_rows_parts}
 
 
 @dataclass(frozen=True)
@@ -1500,8 +1491,7 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
                                                        np.zeros((2, 4, 4), np.float32), np.zeros((1, 2, 4, 4), np.float32),
                                                        np.zeros((1, 2, 4), np.float32)), 2, split=False))
     steps.append(lambda: rms_norm_rows(rows, vector, np.float32(1e-6), rows.copy()))
-    steps.append(lambda: swiglu_rows(np.zeros((1, 4), np.float32), rows.copy()))
-    steps.append(lambda: split_kernel(swiglu_features, (np.zeros((4, 1), np.float32), np.zeros((2, 1), np.float32)), 2, split=False))
+    steps.append(lambda: split_kernel(swiglu_rows, (np.zeros((1, 4), np.float32), rows.copy()), 1, split=False))
     steps.append(lambda: conv_rows(np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32), rows.copy()))
     steps.append(lambda: attend_rows(np.zeros((1, 2, 4), np.float32), np.zeros((1, 4, 4), np.float32),
                                      np.zeros((1, 4, 4), np.float32), 0, np.zeros((1, 8), np.float32)))

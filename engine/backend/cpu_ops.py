@@ -264,8 +264,8 @@ def unit_lower_inverse(L: np.ndarray, keep: np.ndarray) -> np.ndarray:
 class CpuOps:
     """engine/model.py's layers on numpy. Positions are plain ints: the position of a call's first row.
 
-    compiled_steps: a decode or verify pass's per-row steps (norms, conv, SwiGLU, attention, DeltaNet) and a
-    prefill's SwiGLU run as compiled kernels; by default when the compiled kernels are available (decided once: the check
+    compiled_steps: a decode or verify pass's per-row steps (norms, conv, SwiGLU, attention, DeltaNet) and
+    a prefill's SwiGLU run as compiled kernels; by default when the compiled kernels are available (decided once: the check
     reads the environment, ~1 us, which ~150 steps a verify cycle would pay each time)."""
 
     def __init__(self, compiled_steps: bool | None = None):
@@ -355,21 +355,18 @@ class CpuOps:
         return out.reshape(x.shape)
 
     def swiglu(self, gate_up, x: np.ndarray) -> np.ndarray:
-        """silu(gate) * up of gate_up(x) as [T, I] (gate rows then up rows). A prefill keeps the
-        intermediate feature-major [I, T]: its gate/up product comes out that way without a
-        transposing copy, and the down projection reads the transposed view as a plain operand.
-        Up to MAX_ROWS rows run token-major through one compiled pass."""
-        if x.shape[0] <= MAX_ROWS and self.compiled_steps:
+        """silu(gate) * up of gate_up(x) as [T, I] (gate rows then up rows). With the compiled steps,
+        token-major through one compiled pass (rows split between the cores for a prefill). numpy's
+        prefill keeps the intermediate feature-major [I, T]: its gate/up product comes out that way
+        without a transposing copy, and the down projection reads the transposed view as a plain operand."""
+        if self.compiled_steps:
             product = np.ascontiguousarray(gate_up(x), dtype=np.float32)
             out = np.empty((x.shape[0], product.shape[1] // 2), np.float32)
-            compiled.swiglu_rows(product, out)
+            compiled.split_kernel(compiled.swiglu_rows, (product, out), x.shape[0], split=x.shape[0] > MAX_ROWS)
             return out
         product = gate_up.by_feature(x)
         inner = product.shape[0] // 2
         hidden = np.empty((inner, x.shape[0]), np.float32)
-        if self.compiled_steps:
-            compiled.split_kernel(compiled.swiglu_features, (np.ascontiguousarray(product, dtype=np.float32), hidden), inner)
-            return hidden.T
 
         def features(lo: int, hi: int) -> None:
             np.multiply(silu(product[lo:hi]), product[inner + lo : inner + hi], out=hidden[lo:hi])

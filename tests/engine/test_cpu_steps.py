@@ -1,5 +1,5 @@
 """The compiled per-row steps of a decode or verify pass (engine/backend/compiled.py: exp_f32,
-rms_norm_rows, swiglu_rows and a prefill's swiglu_features, conv_rows) against float64 formulas written here from REFERENCE.md's
+rms_norm_rows, swiglu_rows, conv_rows) against float64 formulas written here from REFERENCE.md's
 definitions, not from the kernels.
 
 Bounds: U = 2^-24 is fp32's unit roundoff. A sum of n terms in any order is within n U sum|terms| of
@@ -82,28 +82,22 @@ def test_rms_norm_rows_within_the_bound_of_float64(D):
 def test_swiglu_rows_within_the_bound_of_float64():
     rng = np.random.default_rng(3)
     gate_up = (rng.standard_normal((16, 2 * 300)) * 6).astype(np.float32)
-    got = rows_alone_and_together(compiled.swiglu_rows, [gate_up], (16, 300))
+    got = rows_alone_and_together(lambda g, out: compiled.swiglu_rows(g, out, 0, out.shape[0]), [gate_up], (16, 300))
     g, u = gate_up[:, :300].astype(np.float64), gate_up[:, 300:].astype(np.float64)
     want = silu64(g) * u
     # exp 4 U, 1 + e <= 4 U (its share of e), the division and the product: 10 U
     np.testing.assert_array_less(np.abs(got - want), 10 * U * np.abs(want) + 1e-37)
 
 
-def test_a_prefills_swiglu_feature_major_within_the_bound_of_float64():
-    """swiglu_features: a prefill's [2I, T] product, features split between threads (the same bits
-    however they are split), within swiglu_rows' bound of float64 (fastmath may fuse differently
-    feature-major, so not its bits)."""
-    rng = np.random.default_rng(4)
-    gate_up = (rng.standard_normal((2 * 300, 40)) * 6).astype(np.float32)
-    whole = np.empty((300, 40), np.float32)
-    compiled.swiglu_features(gate_up, whole, 0, 300)
-    for parts in (2, 3):
-        split = np.empty((300, 40), np.float32)
-        compiled.parts_driver(compiled.swiglu_features)((gate_up, split), 300, parts)
+def test_a_prefills_swiglu_rows_split_between_threads_keep_their_bits():
+    """A prefill's SwiGLU runs swiglu_rows over its token rows in parts: each row's bits as in one run."""
+    gate_up = (np.random.default_rng(4).standard_normal((40, 2 * 300)) * 6).astype(np.float32)
+    whole = np.empty((40, 300), np.float32)
+    compiled.swiglu_rows(gate_up, whole, 0, 40)
+    for parts in (2, 3, 40):
+        split = np.empty((40, 300), np.float32)
+        compiled.parts_driver(compiled.swiglu_rows)((gate_up, split), 40, parts)
         np.testing.assert_array_equal(split, whole)
-    g, u = gate_up[:300].astype(np.float64), gate_up[300:].astype(np.float64)
-    want = silu64(g) * u
-    np.testing.assert_array_less(np.abs(whole - want), 10 * U * np.abs(want) + 1e-37)
 
 
 @pytest.mark.parametrize("T", [1, 3, 16])
