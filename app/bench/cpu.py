@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -38,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=positive_int, default=32, help="greedy tokens decoded (default 32, as llama-bench -n)")
     parser.add_argument("--threads", type=positive_int, default=len(os.sched_getaffinity(0)),
                         help="llama.cpp threads (default: the cores this process may use, as duet uses)")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="runs of each measurement, the median counts (duet), as llama-bench -r (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object with all figures")
 
 
@@ -48,9 +51,9 @@ def run(args: argparse.Namespace) -> int:
     if args.llama_bench and not Path(args.llama_bench).is_file():
         raise DuetError(f"{args.llama_bench}: no such file; pass --llama-bench with the path of a built llama-bench")
     result = {"benchmark": "cpu", "model": str(model), "kernels": compiled.unavailable() or "compiled (numba)",
-              "duet": ours(model, args.prompt_tokens, args.tokens)}
+              "repeats": args.repeats, "duet": ours(model, args.prompt_tokens, args.tokens, args.repeats)}
     if args.llama_bench:
-        result["llama_cpp"] = llama_cpp(Path(args.llama_bench), model, args.prompt_tokens, args.tokens, args.threads)
+        result["llama_cpp"] = llama_cpp(Path(args.llama_bench), model, args.prompt_tokens, args.tokens, args.threads, args.repeats)
         if "prefill_tok_s" in result["llama_cpp"]:
             for key in ("prefill_tok_s", "decode_tok_s"):
                 result[f"{key}_vs_llama_cpp"] = round(result["duet"][key] / result["llama_cpp"][key], 3)
@@ -58,24 +61,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def ours(model: Path, prompt_tokens: int, tokens: int) -> dict:
-    """Load (timed, resident memory after), then greedy runs without drafts and with each drafter."""
+def ours(model: Path, prompt_tokens: int, tokens: int, repeats: int) -> dict:
+    """Load (timed, resident memory after), then greedy runs without drafts and with each drafter,
+    `repeats` of each taking turns; each figure is the median of its runs (the same tokens each run)."""
     started = time.perf_counter()
     lm = load_model(model)
     load_s = time.perf_counter() - started
     resident = resident_bytes()
     prompt = random_prompt(lm.config.vocab_size, prompt_tokens)
     run_stats(lm, prompt[:8], 2, Draft.NONE)  # the first pass touches every weight page and compiles what is new
-    base = run_stats(lm, prompt, tokens, Draft.NONE)
+    drafters = [Draft.NONE, Draft.NGRAM] + ([Draft.MTP] if lm.model.mtp is not None else [])
+    runs = {drafter: [] for drafter in drafters}
+    for _ in range(repeats):
+        for drafter in drafters:
+            runs[drafter].append(run_stats(lm, prompt, tokens, drafter))
+    base = runs[Draft.NONE][0]
+    decode = {drafter: statistics.median(s.decode_tok_s for s in stats) for drafter, stats in runs.items()}
     figures = {"route": lm.route, "load_s": round(load_s, 2), "resident_bytes": resident,
                "file_bytes": file_bytes(model), "prompt_tokens": prompt_tokens,
-               "prefill_tok_s": round(base.prefill_tok_s, 2), "decode_tok_s": round(base.decode_tok_s, 2),
-               "generated_tokens": base.generated_tokens, "drafts": {}}
-    for drafter in [Draft.NGRAM] + ([Draft.MTP] if lm.model.mtp is not None else []):
-        stats = run_stats(lm, prompt, tokens, drafter)
-        figures["drafts"][drafter] = {"tokens_per_cycle": round(stats.tokens_per_cycle, 3),
-                                      "decode_tok_s": round(stats.decode_tok_s, 2),
-                                      "speedup": round(stats.decode_tok_s / base.decode_tok_s, 3)}
+               "prefill_tok_s": round(statistics.median(s.prefill_tok_s for s in runs[Draft.NONE]), 2),
+               "decode_tok_s": round(decode[Draft.NONE], 2), "generated_tokens": base.generated_tokens, "drafts": {}}
+    for drafter in drafters[1:]:
+        figures["drafts"][drafter] = {"tokens_per_cycle": round(runs[drafter][0].tokens_per_cycle, 3),
+                                      "decode_tok_s": round(decode[drafter], 2),
+                                      "speedup": round(decode[drafter] / decode[Draft.NONE], 3)}
     return figures
 
 
@@ -93,12 +102,12 @@ def file_bytes(model: Path) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def llama_cpp(binary: Path, model: Path, prompt_tokens: int, tokens: int, threads: int) -> dict:
+def llama_cpp(binary: Path, model: Path, prompt_tokens: int, tokens: int, threads: int, repeats: int) -> dict:
     """llama-bench's prefill and decode tok/s on the same file (its -o json), or why there are none."""
     if not (model.is_file() and model.suffix == ".gguf"):
         return {"skipped": f"{model} is not a .gguf file; llama.cpp runs GGUF files only"}
     command = [str(binary), "-m", str(model), "-p", str(prompt_tokens), "-n", str(tokens), "-t", str(threads),
-               "-r", "2", "-o", "json"]
+               "-r", str(repeats), "-o", "json"]
     env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     note = None

@@ -13,9 +13,10 @@ DEMO = Path(__file__).parents[2] / "models" / "demo"
 
 def test_cpu_bench_reports_load_speed_and_draft_speedups(capsys):
     capsys.readouterr()
-    assert main(["bench", "cpu", "--model", str(DEMO), "--prompt-tokens", "16", "--tokens", "6", "--json"]) == 0
+    assert main(["bench", "cpu", "--model", str(DEMO), "--prompt-tokens", "16", "--tokens", "6", "--repeats", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     ours = result["duet"]
+    assert result["repeats"] == 2
     assert result["kernels"] == "compiled (numba)" and "llama_cpp" not in result
     assert ours["route"] == "bf16" and ours["prompt_tokens"] == 16 and 1 <= ours["generated_tokens"] <= 6
     assert ours["load_s"] > 0 and ours["prefill_tok_s"] > 0 and ours["decode_tok_s"] > 0

@@ -10,7 +10,7 @@ from duet.app.bench import BENCHMARKS, add_bench_commands
 from duet.app.cli import main
 
 FLAGS = {  # each benchmark's flags, as they were before the registry
-    "cpu": {"--model", "--llama-bench", "--prompt-tokens", "--tokens", "--threads", "--json"},
+    "cpu": {"--model", "--llama-bench", "--prompt-tokens", "--tokens", "--threads", "--repeats", "--json"},
     "decode": {"--model", "--prompt-tokens", "--new-tokens", "--repeats", "--json"},
     "make-random": {"--geometry", "--out", "--layers"},
     "quality": {"--model", "--vs", "--tokens", "--json"},
