@@ -456,15 +456,17 @@ def _fold(terms, L):
 
 
 @_jit()
-def _rescale(dots, scale, x_scale, terms, R, out, t, first):
-    """out[t, first + r] = sum over units v of fp32(dots[v*R + r]) * (scale[v*R + r] * x_scale[v*R + r])
-    for the R rows of a group (x_scale per lane: the unit's activation scale, repeated for the R rows).
+def _rescale(dots, offset, lane_sum, scale, x_scale, terms, R, out, t, first):
+    """out[t, first + r] = sum over units v of fp32(dot_i) * (scale[i] * x_scale[i]), i = v*R + r, for
+    the R rows of a group (x_scale per lane: the unit's activation scale, repeated for the R rows), where
+    dot_i = dots[i] - offset * lane_sum[i] in int32: the levels' stored offset (nibbles' + 8, vpdpbusd
+    bytes' + 128) taken off in the same pass (a pass of its own took ~20 of a decode group row's ~185 ns).
 
     Order, fixed by U and R alone (never by T or the thread split): _fold's over the terms [L] in runs
     of R (units v and v + U/2 add while the count of units is even, then the units left in order). One chain of U dependent adds per row instead took ~165
     of the ~390 ns a decode step spends on a group of 4 x 1024 Q4_0 weights; this takes ~40."""
     for i in range(dots.shape[0]):
-        terms[i] = np.float32(dots[i]) * (scale[i] * x_scale[i])
+        terms[i] = np.float32(np.int32(dots[i] - offset * lane_sum[i])) * (scale[i] * x_scale[i])
     _fold(terms, R)
     row = out[t]
     for r in range(min(R, row.shape[0] - first)):
@@ -491,7 +493,7 @@ def _w4a8_nibbles(codes, scale, x, x_sum, x_scale, R, out, lo, hi):
 
     Per group the nibbles are split into two byte planes once; per row, adjacent pairs multiply
     into int16 (_pair_products), each plane's terms fold to one per lane (8 pairs of <= 3810: fits
-    int16), and dot = low + high - 8 * x_sum undoes the + 8 exactly. Then _rescale. Measured on
+    int16), and dot = low + high - 8 * x_sum (in _rescale's pass) undoes the + 8 exactly. Measured on
     one core, Q4_0 3584 x 1024, against int16-lane products: products and folds ~1.6x as fast; a
     group row 959 -> 805 ns at 4 rows, 606 -> 478 at 16; a decode step's one row about the same."""
     T, n, L = x.shape[0], codes.shape[1], scale.shape[1]
@@ -509,8 +511,8 @@ def _w4a8_nibbles(codes, scale, x, x_sum, x_scale, R, out, lo, hi):
             _fold(low_terms, L)
             _fold(high_terms, L)
             for i in range(L):
-                dots[i] = np.int32(low_terms[i]) + np.int32(high_terms[i]) - 8 * x_sum[t, i]
-            _rescale(dots, group_scale, x_scale[t], terms, R, out, t, g * R)
+                dots[i] = np.int32(low_terms[i]) + np.int32(high_terms[i])
+            _rescale(dots, np.int32(8), x_sum[t], group_scale, x_scale[t], terms, R, out, t, g * R)
 
 
 @_jit()
@@ -536,7 +538,7 @@ def _w4a8_bytes(codes, scale, minimum, x, x_scale, x_sum, R, out, lo, hi):
                 terms32[i] = (np.int32(np.int16(np.int16(c0[i]) * x0[i]) + np.int16(np.int16(c2[i]) * x2[i]))
                               + np.int32(np.int16(np.int16(c1[i]) * x1[i]) + np.int16(np.int16(c3[i]) * x3[i])))
             _fold(terms32, L)
-            _rescale(terms32[:L], group_scale, x_scale[t], terms, R, out, t, g * R)
+            _rescale(terms32[:L], np.int32(0), terms32[:L], group_scale, x_scale[t], terms, R, out, t, g * R)
         _subtract_minimum(minimum, g, x_sum, x_scale, R, acc, out)
 
 
@@ -593,9 +595,7 @@ def _w4a8_nibble_quads(codes, scale, x, x_sum, x_scale, R, out, lo, hi):
                 _quad_tail(high_levels, xt, n, quads, high)
                 for i in range(L // QUAD_COLUMN * QUAD_COLUMN, L):
                     dots[i] += high[i]
-            for i in range(L):
-                dots[i] -= 8 * x_sum[t, i]
-            _rescale(dots, group_scale, x_scale[t], terms, R, out, t, g * R)
+            _rescale(dots, np.int32(8), x_sum[t], group_scale, x_scale[t], terms, R, out, t, g * R)
 
 
 @_jit()
@@ -614,9 +614,7 @@ def _w4a8_byte_quads(codes, scale, minimum, x, x_scale, x_sum, lane_sum, R, out,
         for t in range(T):
             quad_columns(c, x[t], dots, 0, quads, L)
             _quad_tail(tail_plane, x[t], 0, quads, dots)
-            for i in range(L if QUAD_BIAS else 0):
-                dots[i] -= QUAD_BIAS * lane_sum[t, i]
-            _rescale(dots, group_scale, x_scale[t], terms, R, out, t, g * R)
+            _rescale(dots, np.int32(QUAD_BIAS), lane_sum[t], group_scale, x_scale[t], terms, R, out, t, g * R)
         _subtract_minimum(minimum, g, x_sum, x_scale, R, acc, out)
 
 
