@@ -108,12 +108,19 @@ def _seen_mask(vocab: int, ids: Sequence[int]) -> np.ndarray:
 
 
 def _apply_penalties(logits: np.ndarray, params: SamplingParams, seen: np.ndarray) -> np.ndarray:
-    """Penalise each token already generated once, however many times it occurred."""
+    """Penalise each token already generated once, however many times it occurred. logits is the
+    caller's own float32 copy: only the seen entries are read and written (whole-row selects took
+    ~0.3 ms a row of a 248,320-token vocabulary)."""
+    if params.repetition_penalty == 1 and params.presence_penalty == 0:
+        return logits
+    at = np.nonzero(seen)
+    values = logits[at]
     if params.repetition_penalty != 1:
         penalty = np.float32(params.repetition_penalty)
-        logits = np.where(seen, np.where(logits > 0, logits / penalty, logits * penalty), logits)
+        values = np.where(values > 0, values / penalty, values * penalty)
     if params.presence_penalty != 0:
-        logits = np.where(seen, logits - np.float32(params.presence_penalty), logits)
+        values = values - np.float32(params.presence_penalty)
+    logits[at] = values
     return logits
 
 
@@ -153,6 +160,17 @@ def _min_p(logits: np.ndarray, min_p: float) -> np.ndarray:
 
 
 def _softmax64(logits: np.ndarray) -> np.ndarray:
+    """Softmax in float64 over the last axis. A row that top-k or top-p cut to a few possible tokens
+    is computed over those alone (the rest are exactly 0): over a 248,320-token vocabulary the whole
+    row took 0.76 ms, each verify and draft row of a sampled cycle."""
+    if logits.ndim == 1:
+        possible = np.flatnonzero(logits > -np.inf)
+        if 0 < len(possible) <= len(logits) // 4:
+            out = np.zeros(len(logits), np.float64)
+            out[possible] = _softmax64(logits[possible])
+            return out
+    elif logits.ndim == 2 and logits.shape[0] > 1:
+        return np.stack([_softmax64(row) for row in logits])
     shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
     weights = np.exp(shifted)
     return weights / weights.sum(axis=-1, keepdims=True)
