@@ -32,7 +32,9 @@ CHUNK = 32
 DECAY_FLOOR = -30.0
 # State elements (rows x value heads x dk x dv) a decode or verify pass's DeltaNet step needs before
 # its heads are split between the cores. The 0.8B geometry's 16 x 128 x 128 a row split: 12.9 ->
-# 9.0 ms a token; the demo's 4 x 32 x 64 lost ~45 us a layer to the handoff (71 -> 26 us at one row).
+# 9.0 ms a token; the demo's 4 x 32 x 64 lost ~45 us a layer to a Python worker's handoff (71 -> 26 us
+# at one row). With numba's threads (a region starts in 2-5 us) 2^14 gave the demo's verify passes
+# nothing either (`duet bench spec --temperature 0`, MTP 1.30x both ways).
 DELTANET_SPLIT_MIN = 1 << 17
 
 
@@ -265,8 +267,9 @@ class CpuOps:
     """engine/model.py's layers on numpy. Positions are plain ints: the position of a call's first row.
 
     compiled_steps: a decode or verify pass's per-row steps (norms, conv, SwiGLU, attention, DeltaNet) and
-    a prefill's SwiGLU run as compiled kernels; by default when the compiled kernels are available (decided once: the check
-    reads the environment, ~1 us, which ~150 steps a verify cycle would pay each time)."""
+    a prefill's SwiGLU run as compiled kernels; by default when the compiled kernels are available
+    (decided once: the check reads the environment, ~1 us, which ~150 steps a verify cycle would pay
+    each time)."""
 
     def __init__(self, compiled_steps: bool | None = None):
         self.compiled_steps = compiled.unavailable() is None if compiled_steps is None else compiled_steps

@@ -165,4 +165,3 @@ def in_compiled_parts(parallel, serial, args: tuple, n: int, split: bool = True)
         parallel(args, n, parts)
     finally:
         _SPLITTING.release()
-
