@@ -47,9 +47,9 @@ from duet.engine.weights import BF16Matrix
 
 CACHE_DIR = Path(platformdirs.user_cache_dir("duet")) / "numba"
 KERNELS_ENV = "DUET_CPU_KERNELS"  # "numpy" runs the numpy reference Linears instead
-# Products smaller than this many weights run whole on the calling thread: handing a part to the
-# other core costs ~40 us, more than a [1024, 256] product takes (21 us whole). The demo decoded
-# 183 tok/s with this bound, 155 with 2^18 (median of 7 alternating runs).
+# Products smaller than this many weights run whole on the calling thread. Handing a part to a Python
+# worker cost ~40 us (the bound was 2^20 then); a region of numba's threads starts in 2-5 us, and the
+# demo's bf16 decode step took 1.5 ms with 2^20, 0.9 with 2^16 ([256, 1024] products split).
 SPLIT_MIN_WEIGHTS = 1 << 16
 
 
@@ -141,7 +141,8 @@ def split_kernel(kernel, args: tuple, n: int, split: bool = True) -> None:
 # loops there; 8: 1.30x; vpdpbusd 4 -> 8 columns: no loss). Byte planes hold level + QUAD_BIAS:
 # vpdpbusd multiplies unsigned by signed bytes (+ 128), AVX2's sign trick takes the signed level itself.
 QUAD_FAMILY = int8_dot_kernels()[0]
-QUAD_COLUMN, QUAD_BLOCK = (16, 8) if QUAD_FAMILY == "vnni" else (8, 8)
+QUAD_COLUMN = 16 if QUAD_FAMILY == "vnni" else 8
+QUAD_BLOCK = 8
 QUAD_BIAS = 128 if QUAD_FAMILY == "vnni" else 0
 
 
@@ -539,7 +540,7 @@ def _w4a8_bytes(codes, scale, minimum, x, x_scale, x_sum, R, out, lo, hi):
                 terms32[i] = (np.int32(np.int16(np.int16(c0[i]) * x0[i]) + np.int16(np.int16(c2[i]) * x2[i]))
                               + np.int32(np.int16(np.int16(c1[i]) * x1[i]) + np.int16(np.int16(c3[i]) * x3[i])))
             _fold(terms32, L)
-            _rescale(terms32[:L], np.int32(0), terms32[:L], group_scale, x_scale[t], terms, R, out, t, g * R)
+            _rescale(terms32[:L], np.int32(0), terms32[:L], group_scale, x_scale[t], terms, R, out, t, g * R)  # no stored offset
         _subtract_minimum(minimum, g, x_sum, x_scale, R, acc, out)
 
 
@@ -1143,7 +1144,7 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int, quads: boo
     width = 4 if quads else 2 if nibbles else 1  # adjacent positions a lane
     positions = unit // 2 if nibbles else unit  # bytes a unit has in a row
     codes = np.empty((G, positions // width, R * U, width), np.uint8 if quads or nibbles else np.int8)
-    flip = QUAD_BIAS if quads and not nibbles else 0  # level + 128 (stored blocks' bytes: level ^ 0x80, the same)
+    flip = QUAD_BIAS if quads and not nibbles else 0  # level + 128 on vnni (stored blocks' bytes: level ^ 0x80, the same)
     as_stored = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0") and unit == 32
     scale = np.empty((G, R * U), np.uint16 if as_stored else np.float32)  # Q4_0 / Q8_0: their f16 bits
     has_minimum = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_K", "Q5_K")
