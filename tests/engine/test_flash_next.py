@@ -133,9 +133,14 @@ def test_greedy_with_drafts_is_greedy_without_on_the_q4_cache(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def flash_dir(tmp_path_factory):
-    return save_reference(build_reference("qwen4_exp_text", seed=3), tmp_path_factory.mktemp("flash") / "m",
-                          with_tokenizer=False)
+def flash_reference():
+    """The transformers model flash_dir holds (read it only: tests share it)."""
+    return build_reference("qwen4_exp_text", seed=3)
+
+
+@pytest.fixture(scope="module")
+def flash_dir(flash_reference, tmp_path_factory):
+    return save_reference(flash_reference, tmp_path_factory.mktemp("flash") / "m", with_tokenizer=False)
 
 
 def damaged(flash_dir, tmp_path, change) -> Path:
@@ -287,10 +292,10 @@ def prefill_matches(folder: Path, ref) -> None:
 def test_a_bf16_checkpoint_reads_its_tables_as_bf16(tmp_path):
     """The released Flash-Next is bf16: its n-gram shards are bf16 bits a lookup widens. The reference is
     transformers on the same bf16-rounded weights, run in fp32."""
-    ref = build_reference("qwen4_exp_text", seed=3).to(torch.bfloat16)
-    folder = save_reference(ref, tmp_path / "bf16", with_tokenizer=False)
     from duet.engine.checkpoint.safetensors import SafetensorsFile
 
+    ref = build_reference("qwen4_exp_text", seed=3).to(torch.bfloat16)  # its own: .to() changes the model in place
+    folder = save_reference(ref, tmp_path / "bf16", with_tokenizer=False)
     assert SafetensorsFile(folder / "model.safetensors").tensors[SHARD.format(0)].dtype == "BF16"
     prefill_matches(folder, ref.to(torch.float32))
 
@@ -310,11 +315,10 @@ def restack(whole: bool):
 
 
 @pytest.mark.parametrize("whole", [True, False], ids=["one-tensor", "shards-of-1-2-3-rows-and-the-rest"])
-def test_a_table_stored_whole_or_unevenly_is_read_as_the_shards_are(flash_dir, tmp_path, whole):
+def test_a_table_stored_whole_or_unevenly_is_read_as_the_shards_are(flash_dir, flash_reference, tmp_path, whole):
     """A checkpoint may keep a layer's n-gram table as one `ngram_embedding.weight` (split_ngram_parts
     names only how HF shards it), or in shards of any sizes: the same rows, the same logits."""
-    ref = build_reference("qwen4_exp_text", seed=3)  # flash_dir's model
-    prefill_matches(damaged(flash_dir, tmp_path, restack(whole)), ref)
+    prefill_matches(damaged(flash_dir, tmp_path, restack(whole)), flash_reference)
 
 
 BAD_CONSTANTS = {  # case: (tensor, new values, the problem)
