@@ -12,7 +12,7 @@ import numpy as np
 from duet.engine.backend.cpu_ops import CPU
 from duet.engine.config import FULL_ATTENTION, ModelConfig
 from duet.engine.flash_next import (PLE, FlashLayer, FlashMTPHead, FlashNextModel, HyperConnection, IndexedAttention,
-                                     Indexer, NGramHash)
+                                     Indexer, NGramHash, flash_op_set)
 from duet.engine.heads import RescoredHead, shortlist_ids
 from duet.engine.model import MLP, Attention, DecoderLayer, DeltaNet, Model, MoE, MTPHead
 from duet.engine.weights import HEAD_KEY, ModelWeights, row_runs, take_rows
@@ -27,9 +27,9 @@ def assemble(weights: ModelWeights, route: str, host_tables: bool = False, ops=C
     (engine/heads.py); the checkpoint's head must then be float (the reader checked it).
     """
     c = weights.config
-    get = Linears(weights, route, ops)
     if c.flash is not None:
-        return _flash_next(c, get, host_tables)
+        return _flash_next(c, Linears(weights, route, flash_op_set(ops)), host_tables)
+    get = Linears(weights, route, ops)
     layers = [_layer(c, get, f"layers.{i}.", kind, c.moe_layers[i]) for i, kind in enumerate(c.layer_types)]
     lm_head, draft_head = _heads(c, get, host_tables)
     mtp = None
@@ -173,7 +173,7 @@ def _flash_layer(c: ModelConfig, get: Linears, p: str, kind: str, ple: bool) -> 
     else:
         mixer = _deltanet(c, get, p + "linear_attn.")
     return FlashLayer(mixer, _moe(c, get, p + "mlp."), _hyper_connection(c, get, p + "attn_hyper_connection."),
-                      _hyper_connection(c, get, p + "mlp_hyper_connection."), _ple(c, get, p + "ple.") if ple else None)
+                      _hyper_connection(c, get, p + "mlp_hyper_connection."), get.ops, _ple(c, get, p + "ple.") if ple else None)
 
 
 def _hyper_connection(c: ModelConfig, get: Linears, p: str, inject: bool = True) -> HyperConnection:

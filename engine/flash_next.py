@@ -12,7 +12,14 @@ projections and norms):
   keys pooled over `ratio` tokens) plus the incomplete tail: about `indexer_budget` rows, not all.
 Every row of a short call (decode, verify) is computed as its own decode step would, so a verify pass
 rolls back exactly (engine/cache.py: IndexedKVCache, PLEState).
-Runs on the CPU op set; the GPU backend does not take this model type yet.
+
+One model definition for both backends: the layers below hold Linears and vectors and ask their op
+set (`ops`) for Flash-Next's steps, as engine/model.py's layers ask for attention and DeltaNet cores:
+stream_norm, silu_div, hc_mix, hc_inject, ple_gate, ple_conv, indexed_attention and the two caches.
+FlashCpuOps here is the numpy op set with those steps, the numerics reference; the GPU op set
+(engine/backend/cupy_model.GpuOps) runs them as CUDA kernels (engine/kernels/flash_next.cu, and
+attention.cu's sparse partials). The n-gram table stays a host table on both: its rows are gathered
+on the host, and only the gathered rows [T, heads * D] go to the op set.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from duet.engine.backend import MAX_ROWS
-from duet.engine.backend.cpu_ops import CPU, apply_rope, attend, rope_tables, sigmoid, silu
+from duet.engine.backend.cpu_ops import CpuOps, apply_rope, attend, rope_tables, sigmoid, silu
 from duet.engine.cache import IndexedKVCache, PLEState, WithPLE
 from duet.engine.choices import KVCache
 from duet.engine.config import ModelConfig
@@ -32,7 +39,7 @@ from duet.engine.weights import ShardedRows
 
 @dataclass
 class HyperConnection:
-    """Streams [T, hc * H] -> the block's input [T, H] and each stream's injection weight [T, hc]."""
+    """Streams [T, hc * H] -> the block's input [T, H] and each stream's injection logits [T, hc]."""
 
     norm: np.ndarray  # 1 + w, [hc * H]: an RMSNorm over each stream's H values
     down: object  # Linear [lowrank, hc * H]
@@ -40,27 +47,13 @@ class HyperConnection:
     inject: object | None  # Linear [hc, hc * H]; None in the head's mixer
     hc: int
     eps: float
-    ops: object = CPU
+    ops: object
 
-    def __call__(self, streams: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        T = streams.shape[0]
-        normed = stream_norm(self.ops, streams, self.norm, self.hc, self.eps).reshape(T, -1)  # [T, hc * H]
-        weight = sigmoid(self.up(silu(self.down(normed) / self.hc)))  # [T, hc * H]
-        mixed = (weight * normed).reshape(T, self.hc, -1).mean(axis=1)  # [T, H]
-        if self.inject is None:
-            return mixed, None
-        return mixed, 2 * sigmoid(self.inject(normed) / self.hc)
-
-
-def stream_norm(ops, x: np.ndarray, weight: np.ndarray, hc: int, eps: float) -> np.ndarray:
-    """x [T, hc * H] normed over each stream's H values with its slice of weight [hc * H]: [T, hc, H]."""
-    return ops.rms_norm(x.reshape(x.shape[0], hc, -1), weight.reshape(hc, -1), eps)
-
-
-def injected(streams: np.ndarray, out: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """Each stream plus the block's output [T, H] times its weight [T, hc]."""
-    T, hc = weight.shape
-    return streams + (weight[:, :, None] * out[:, None, :]).reshape(T, -1)
+    def __call__(self, streams):
+        ops = self.ops
+        normed = ops.stream_norm(streams, self.norm, self.hc, self.eps)  # [T, hc * H]
+        mixed = ops.hc_mix(normed, self.up(ops.silu_div(self.down(normed), self.hc)), self.hc)  # [T, H]
+        return mixed, None if self.inject is None else self.inject(normed)
 
 
 @dataclass
@@ -94,7 +87,7 @@ class NGramHash:
         return np.concatenate(per_order, axis=1)
 
     def __call__(self, history: np.ndarray, T: int) -> np.ndarray:
-        """The concatenated heads' rows [T, heads * D]."""
+        """The concatenated heads' rows [T, heads * D], gathered on the host where the table lives."""
         return self.table[self.rows(history, T)].reshape(T, -1)
 
 
@@ -114,28 +107,25 @@ class PLE:
     dilation: int
     hc: int
     eps: float
-    ops: object = CPU
+    ops: object
 
     def new_state(self) -> PLEState:
         context = len(self.ngrams.multipliers) - 1
-        return PLEState(context, self.ngrams.eos, (self.conv.shape[1] - 1) * self.dilation, self.conv.shape[0])
+        return self.ops.ple_state(context, self.ngrams.eos, (self.conv.shape[1] - 1) * self.dilation, self.conv.shape[0])
 
-    def __call__(self, streams: np.ndarray, ids: np.ndarray, state: PLEState) -> np.ndarray:
-        T, H = streams.shape[0], streams.shape[1] // self.hc
+    def __call__(self, streams, ids: np.ndarray, state: PLEState):
+        """What the n-grams add to every stream [T, hc * H]; ids [T] on the host."""
+        T, ops = streams.shape[0], self.ops
         history = np.concatenate([state.tokens, ids])
-        embedded = self.ngrams(history, T)  # [T, P]
-        key = stream_norm(self.ops, self.key_proj(embedded), self.norm_key, self.hc, self.eps)  # [T, hc, H]
-        value = self.value_proj(embedded)  # [T, H]
-        gate = (key * stream_norm(self.ops, streams, self.norm_query, self.hc, self.eps)).sum(axis=-1) / np.float32(np.sqrt(H))  # [T, hc]
-        gate = np.sqrt(np.maximum(np.abs(gate), 1e-6)) * np.sign(gate)
-        gated = (sigmoid(gate)[:, :, None] * value[:, None, :]).reshape(T, -1)  # [T, hc * H]
-        window = np.concatenate([state.conv, stream_norm(self.ops, gated, self.norm_conv, self.hc, self.eps).reshape(T, -1)])
-        K, d = self.conv.shape[1], self.dilation
-        conv = sum(window[k * d : k * d + T] * self.conv[:, k] for k in range(K))  # tap k reads x[t - (K-1-k) d]
-        short = T <= MAX_ROWS  # a decode or verify call keeps its windows for a rollback
-        state.token_window, state.conv_window = (history, window) if short else (None, None)
-        state.tokens, state.conv = history[T:].copy(), window[T:].copy()
-        return gated + silu(conv)
+        embedded = ops.to_device(self.ngrams(history, T))  # [T, P]
+        key = ops.stream_norm(self.key_proj(embedded), self.norm_key, self.hc, self.eps)  # [T, hc * H]
+        query = ops.stream_norm(streams, self.norm_query, self.hc, self.eps)
+        gated = ops.ple_gate(key, query, self.value_proj(embedded), self.hc)  # [T, hc * H]
+        normed = ops.stream_norm(gated, self.norm_conv, self.hc, self.eps)
+        out = ops.ple_conv(gated, normed, self.conv, self.dilation, state)
+        state.token_window = history if T <= MAX_ROWS else None  # a decode or verify call keeps it for a rollback
+        state.tokens = history[T:].copy()
+        return out
 
 
 @dataclass
@@ -149,40 +139,7 @@ class Indexer:
     ratio: int  # tokens a block pools
     top_blocks: int  # indexer_budget / ratio
     config: ModelConfig
-    ops: object = CPU
-
-    def rotate(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """The attention's partial RoPE on the first rotary_dim of each [.., heads, d] row."""
-        cos, sin = rope_tables(positions, self.config.rotary_dim, self.config.rope_theta)
-        return apply_rope(x, cos, sin)
-
-    def pool(self, first_block: int, raw_blocks: np.ndarray, offset: int) -> np.ndarray:
-        """Block keys [n, d] of complete blocks [n, ratio, d]: mean, norm, RoPE at the position of the
-        block's first token (its cache row + offset)."""
-        pooled = self.ops.rms_norm(raw_blocks.mean(axis=1), self.k_norm, self.config.rms_norm_eps)
-        starts = (first_block + np.arange(len(pooled))) * self.ratio + offset
-        return self.rotate(pooled[:, None, :], starts)[:, 0]
-
-    def queries(self, x: np.ndarray, cache: IndexedKVCache, start: int, first: int, offset: int) -> np.ndarray:
-        """Index every row's key into the cache (after its kv rows); the queries of rows [first, T),
-        the call's first row at position `start`."""
-        T, d = x.shape[0], self.q_norm.shape[0]
-        qk = self.qk_proj(x)  # [T, (heads + 1) * d]
-        cache.append_index_keys(np.ascontiguousarray(qk[:, self.heads * d :]),
-                                lambda first_block, raw_blocks: self.pool(first_block, raw_blocks, offset))
-        q = self.ops.rms_norm(qk[first:, : self.heads * d].reshape(T - first, self.heads, d), self.q_norm,
-                              self.config.rms_norm_eps)
-        return self.rotate(q, np.arange(start + first, start + T))
-
-    def selected(self, q: np.ndarray, cache: IndexedKVCache, row: int) -> np.ndarray:
-        """Cache rows the query of cache row `row` reads: its top blocks, in order, and the tail."""
-        complete = (row + 1) // self.ratio
-        if complete <= self.top_blocks:
-            return np.arange(row + 1)
-        tail = np.arange(complete * self.ratio, row + 1)
-        scores = np.maximum(q @ cache.blocks[:complete].T, 0).sum(axis=0)  # [complete]: relu summed over heads
-        top = np.sort(np.argsort(-scores, kind="stable")[: self.top_blocks])  # ties: the earlier block
-        return np.concatenate([(top[:, None] * self.ratio + np.arange(self.ratio)).ravel(), tail])
+    ops: object
 
 
 @dataclass
@@ -192,29 +149,16 @@ class IndexedAttention:
     attention: Attention
     indexer: Indexer
 
-    def new_cache(self, kv: str = KVCache.BF16) -> IndexedKVCache:
-        return IndexedKVCache(self.attention.new_cache(kv), self.indexer.q_norm.shape[0], self.indexer.ratio)
+    def new_cache(self, kv: str = KVCache.BF16):
+        return self.indexer.ops.indexed_cache(self.attention.new_cache(kv), self.indexer.q_norm.shape[0],
+                                              self.indexer.ratio)
 
-    def __call__(self, x, cache: IndexedKVCache, pos, last_only: bool = False):
-        a, c = self.attention, self.attention.config
-        T, first = x.shape[0], x.shape[0] - 1 if last_only else 0
-        heads, kv_heads, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q_and_gate = a.q_proj(x[first:]).reshape(T - first, heads, 2 * hd)
-        q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(T - first, heads * hd)
-        q = a.ops.rms_norm(q, a.q_norm, c.rms_norm_eps)
-        k = a.ops.rms_norm(a.k_proj(x).reshape(T, kv_heads, hd), a.k_norm, c.rms_norm_eps)
-        cos, sin = rope_tables(np.arange(pos, pos + T), c.rotary_dim, c.rope_theta)
-        q, k = apply_rope(q, cos[first:], sin[first:]), apply_rope(k, cos, sin)
-        past = cache.length  # blocks and selections count cache rows; the MTP layer's sit one position on
-        cache.kv.append(k.transpose(1, 0, 2), a.v_proj(x).reshape(T, kv_heads, hd).transpose(1, 0, 2))
-        index_q = self.indexer.queries(x, cache, pos, first, offset=pos - past)  # [T - first, index heads, d]
-        out = np.empty((T - first, heads * hd), np.float32)
-        for i, row in enumerate(range(past + first, past + T)):
-            tokens = self.indexer.selected(index_q[i], cache, row)
-            keys, values = cache.kv.rows(row + 1)
-            # the row attends every selected token: as the last of them, nothing is masked
-            out[i] = attend(q[i : i + 1], keys[:, tokens], values[:, tokens], len(tokens) - 1)[0]
-        return a.o_proj(out * sigmoid(gate))
+    def __call__(self, x, cache, pos, last_only: bool = False):
+        a = self.attention
+        first = x.shape[0] - 1 if last_only else 0  # rows [first, T) are the ones whose output is returned
+        gated = a.ops.indexed_attention(self, a.q_proj(x[first:]), a.k_proj(x), a.v_proj(x), self.indexer.qk_proj(x),
+                                        cache, pos, first)
+        return a.o_proj(gated)
 
 
 @dataclass
@@ -223,6 +167,7 @@ class FlashLayer:
     ffn: MoE
     mixer_hc: HyperConnection
     ffn_hc: HyperConnection
+    ops: object
     ple: PLE | None = None
 
     def new_cache(self, kv: str = KVCache.BF16):
@@ -230,16 +175,17 @@ class FlashLayer:
         return cache if self.ple is None else WithPLE(cache, self.ple.new_state())
 
     def __call__(self, streams, cache, pos, ids: np.ndarray, last_only: bool = False):
+        hc = self.mixer_hc.hc
         if self.ple is not None:
             streams = streams + self.ple(streams, ids, cache.ple)
             cache = cache.mixer
-        mixed, weight = self.mixer_hc(streams)
+        mixed, inject = self.mixer_hc(streams)
         out = self.mixer(mixed, cache, pos, last_only)
         if last_only:
-            streams, weight = streams[-1:], weight[-1:]
-        streams = injected(streams, out, weight)
-        mixed, weight = self.ffn_hc(streams)
-        return injected(streams, self.ffn(mixed), weight)
+            streams, inject = streams[-1:], inject[-1:]
+        streams = self.ops.hc_inject(streams, out, inject, hc)
+        mixed, inject = self.ffn_hc(streams)
+        return self.ops.hc_inject(streams, self.ffn(mixed), inject, hc)
 
 
 @dataclass
@@ -265,7 +211,7 @@ class FlashNextModel(Model):
         return self.ops.new_state([layer.new_cache(kv) for layer in self.layers])
 
     def run_layers(self, x, caches: list, pos, last_only: bool = False, ids: np.ndarray | None = None):
-        streams = np.tile(x, (1, self.config.flash.hc_count))  # [T, hc * H]
+        streams = self.ops.concat([x] * self.config.flash.hc_count, axis=-1)  # [T, hc * H]: every stream the embedding
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             streams = layer(streams, cache, pos, ids, last_only and i == last)
@@ -284,8 +230,124 @@ class FlashNextModel(Model):
         ids = np.asarray(next_tokens, dtype=np.int64)
         T = len(ids)
         e = head.fc_embedding(ops.rms_norm(self.embed[ids], head.norm_embedding, eps))  # [T, H]
-        h = stream_norm(ops, hidden, head.norm_hidden, hc, eps).reshape(T * hc, -1)
+        h = ops.stream_norm(hidden, head.norm_hidden, hc, eps).reshape(T * hc, -1)
         streams = (head.fc_hidden(h).reshape(T, hc, -1) + e[:, None, :]).reshape(T, -1)
         streams = head.layer(streams, state.layers[0], ops.mtp_position(state, T), ids)
         state.advance(T)
         return streams
+
+
+# ------------------------------------------------------------------------- the CPU's steps ---
+
+class FlashCpuOps(CpuOps):
+    """The numpy op set with Flash-Next's steps: the numerics reference for them, as CpuOps is for the
+    rest (the GPU op set, engine/backend/cupy_model.GpuOps, has the same methods). Positions are ints."""
+
+    # ---- states
+
+    def ple_state(self, context: int, eos: int, conv_rows: int, channels: int) -> PLEState:
+        return PLEState(context, eos, conv_rows, channels)
+
+    def indexed_cache(self, kv, index_dim: int, ratio: int) -> IndexedKVCache:
+        return IndexedKVCache(kv, index_dim, ratio)
+
+    # ---- hyper-connections
+
+    def stream_norm(self, x: np.ndarray, weight: np.ndarray, hc: int, eps: float) -> np.ndarray:
+        """x [T, hc * H] normed over each stream's H values with its slice of weight [hc * H]: [T, hc * H]."""
+        T = x.shape[0]
+        return self.rms_norm(x.reshape(T, hc, -1), weight.reshape(hc, -1), eps).reshape(T, -1)
+
+    def silu_div(self, x: np.ndarray, divisor: int) -> np.ndarray:
+        """silu(x / divisor): the input mixer's activation between its low-rank projections."""
+        return silu(x / divisor)
+
+    def hc_mix(self, normed: np.ndarray, logits: np.ndarray, hc: int) -> np.ndarray:
+        """The block's input [T, H]: the mean over streams of sigmoid(logits) * normed (both [T, hc * H])."""
+        T = normed.shape[0]
+        return (sigmoid(logits) * normed).reshape(T, hc, -1).mean(axis=1)
+
+    def hc_inject(self, streams: np.ndarray, out: np.ndarray, logits: np.ndarray, hc: int) -> np.ndarray:
+        """Each stream [T, hc * H] plus the block's output [T, H] times its weight 2 sigmoid(logits / hc), logits [T, hc]."""
+        weight = 2 * sigmoid(logits / hc)
+        T = weight.shape[0]
+        return streams + (weight[:, :, None] * out[:, None, :]).reshape(T, -1)
+
+    # ---- PLE
+
+    def ple_gate(self, key: np.ndarray, query: np.ndarray, value: np.ndarray, hc: int) -> np.ndarray:
+        """value [T, H] into each stream, weighed by sigmoid of the sign-sqrt of key . query / sqrt(H)
+        over the stream (key, query [T, hc * H], normed): [T, hc * H]."""
+        T, H = value.shape
+        gate = (key * query).reshape(T, hc, H).sum(axis=-1) / np.float32(np.sqrt(H))  # [T, hc]
+        gate = np.sqrt(np.maximum(np.abs(gate), 1e-6)) * np.sign(gate)
+        return (sigmoid(gate)[:, :, None] * value[:, None, :]).reshape(T, -1)
+
+    def ple_conv(self, gated: np.ndarray, normed: np.ndarray, taps: np.ndarray, dilation: int, state: PLEState) -> np.ndarray:
+        """gated + silu of the dilated causal conv of normed [T, C] (taps [C, K], tap k reads the input
+        (K - 1 - k) * dilation rows back); state.conv advanced, a short call's window kept for a rollback."""
+        T, K = gated.shape[0], taps.shape[1]
+        window = np.concatenate([state.conv, normed])  # [(K - 1) * dilation + T, C]
+        conv = sum(window[k * dilation : k * dilation + T] * taps[:, k] for k in range(K))
+        state.conv_window = window if T <= MAX_ROWS else None
+        state.conv = window[T:].copy()
+        return gated + silu(conv)
+
+    # ---- QSA
+
+    def indexed_attention(self, layer: IndexedAttention, q_and_gate: np.ndarray, k: np.ndarray, v: np.ndarray,
+                          index_qk: np.ndarray, cache: IndexedKVCache, start: int, first: int) -> np.ndarray:
+        """Gated attention's core over the tokens the indexer selects, rows [first, T) of a call at position
+        `start`: q_and_gate of those rows, k, v and index_qk [T, (heads + 1) * d] of every row (all go to the
+        cache). Returns sigmoid(gate) * attention [T - first, heads * hd]."""
+        a, ix, c = layer.attention, layer.indexer, layer.attention.config
+        T, heads, kv_heads, hd, eps = k.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        q_and_gate = q_and_gate.reshape(T - first, heads, 2 * hd)
+        q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(T - first, heads * hd)
+        q = self.rms_norm(q, a.q_norm, eps)
+        k = self.rms_norm(k.reshape(T, kv_heads, hd), a.k_norm, eps)
+        cos, sin = rope_tables(np.arange(start, start + T), c.rotary_dim, c.rope_theta)
+        q, k = apply_rope(q, cos[first:], sin[first:]), apply_rope(k, cos, sin)
+        past = cache.length  # blocks and selections count cache rows; the MTP layer's sit one position on
+        cache.kv.append(k.transpose(1, 0, 2), v.reshape(T, kv_heads, hd).transpose(1, 0, 2))
+        d = ix.q_norm.shape[0]
+        cache.append_index_keys(np.ascontiguousarray(index_qk[:, ix.heads * d :]),
+                                lambda first_block, raw_blocks: self._pooled(ix, first_block, raw_blocks, start - past))
+        index_q = self.rms_norm(index_qk[first:, : ix.heads * d].reshape(T - first, ix.heads, d), ix.q_norm, eps)
+        index_q = _rotated(c, index_q, np.arange(start + first, start + T))  # [T - first, index heads, d]
+        out = np.empty((T - first, heads * hd), np.float32)
+        for i, row in enumerate(range(past + first, past + T)):
+            tokens = self._selected(ix, index_q[i], cache, row)
+            keys, values = cache.kv.rows(row + 1)
+            # the row attends every selected token: as the last of them, nothing is masked
+            out[i] = attend(q[i : i + 1], keys[:, tokens], values[:, tokens], len(tokens) - 1)[0]
+        return out * sigmoid(gate)
+
+    def _pooled(self, ix: Indexer, first_block: int, raw_blocks: np.ndarray, offset: int) -> np.ndarray:
+        """Block keys [n, d] of complete blocks [n, ratio, d]: mean, norm, RoPE at the position of the
+        block's first token (its cache row + offset)."""
+        pooled = self.rms_norm(raw_blocks.mean(axis=1), ix.k_norm, ix.config.rms_norm_eps)
+        starts = (first_block + np.arange(len(pooled))) * ix.ratio + offset
+        return _rotated(ix.config, pooled[:, None, :], starts)[:, 0]
+
+    @staticmethod
+    def _selected(ix: Indexer, q: np.ndarray, cache: IndexedKVCache, row: int) -> np.ndarray:
+        """Cache rows the query q [index heads, d] of cache row `row` reads: its top blocks, in order, and the tail."""
+        complete = (row + 1) // ix.ratio
+        if complete <= ix.top_blocks:
+            return np.arange(row + 1)
+        tail = np.arange(complete * ix.ratio, row + 1)
+        scores = np.maximum(q @ cache.blocks[:complete].T, 0).sum(axis=0)  # [complete]: relu summed over heads
+        top = np.sort(np.argsort(-scores, kind="stable")[: ix.top_blocks])  # ties: the earlier block
+        return np.concatenate([(top[:, None] * ix.ratio + np.arange(ix.ratio)).ravel(), tail])
+
+
+def _rotated(config: ModelConfig, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """The attention's partial RoPE on the first rotary_dim of each [.., heads, d] row."""
+    cos, sin = rope_tables(positions, config.rotary_dim, config.rope_theta)
+    return apply_rope(x, cos, sin)
+
+
+def flash_op_set(ops):
+    """The op set Flash-Next's layers run on: a CPU op set gains FlashCpuOps's steps; the GPU's has them."""
+    return FlashCpuOps(ops.compiled_steps) if type(ops) is CpuOps else ops
