@@ -101,6 +101,14 @@ def int8_dot_kernels() -> list[str]:
     return ["avx2", "generic"] if "avx2" in _CPU_FEATURES else ["generic"]
 
 
+def w4a16_kernels() -> list[str]:
+    """The w4a16 product kernel families this CPU runs, the default first: "avx512" (W4A16Lanes: a
+    block of 32 weight rows' levels from one 16-byte load into fp32 lanes, fused multiply-adds)
+    where the CPU has AVX-512, and always "generic" (W4A16Linear's unit planes, plain loops). Both
+    sum each group in k order and the groups in order, so they give the same bits."""
+    return ["avx512", "generic"] if {"avx512f", "avx512bw", "avx512vl", "fma"} <= _CPU_FEATURES else ["generic"]
+
+
 def bf16_dot_kernels() -> list[str]:
     """The bf16 x fp32 product kernel families this CPU runs, the default first: "avx512" (weight
     rows in the lanes of 512-bit vectors, one fused multiply-add chain over k per row: _bf16_lanes)
@@ -402,9 +410,7 @@ if _numba:
                         w = builder.load(builder.bitcast(builder.gep(W.data, [at]), words.as_pointer()), align=2)
                         weights += [builder.bitcast(builder.shl(w, sixteen), floats), builder.bitcast(builder.and_(w, high_half), floats)]
                     for i in range(tokens):
-                        value = builder.load(builder.gep(X.data, [builder.add(builder.mul(builder.add(t0, const(i)), x_row), k)]))
-                        splat = builder.shuffle_vector(builder.insert_element(ir.Constant(floats, None), value, ir.Constant(i32, 0)),
-                                                       ir.Constant(floats, None), ir.Constant(words, [0] * 16))
+                        splat = _splat(builder, builder.load(builder.gep(X.data, [builder.add(builder.mul(builder.add(t0, const(i)), x_row), k)])))
                         for acc, w in zip(accumulators[i], weights):
                             builder.store(builder.call(fma, [w, splat, builder.load(acc)]), acc)
                 rows_in_order = ir.Constant(ir.VectorType(i32, 32), [v for r in range(16) for v in (r, 16 + r)])
@@ -422,6 +428,92 @@ if _numba:
     # tiles: 4 tokens x 2 blocks (16 accumulators) while 4 rows are left, then 2 x 2, then 1 x 4 (a
     # decode step: 8 independent chains hide the multiply-add latency), 1 x 1 for the last blocks
     _tile_4x2, _tile_4x1, _tile_2x2, _tile_1x4, _tile_1x1 = (_bf16_tile(*shape) for shape in ((4, 2), (4, 1), (2, 2), (1, 4), (1, 1)))
+
+    def _splat(builder, value):
+        """An fp32 value in all 16 lanes of a vector."""
+        ir = llvmlite.ir
+        floats = ir.VectorType(ir.FloatType(), 16)
+        one = builder.insert_element(ir.Constant(floats, None), value, ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(one, ir.Constant(floats, None), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+
+    def _w4a16_tile(tokens: int, blocks: int):
+        """The intrinsic below for a tile of `tokens` token rows by `blocks` blocks of 32 weight rows."""
+
+        def w4a16_tile(typingctx, nibbles, scales, x, out, block, t0):
+            """In compiled code: out[t0 + i, (block + j) * 32 + r] = sum over groups g, in order, of
+            scales[block + j, g, r] times the fp32 sum, in k order, of level(block + j, k, r) * x[t0 +
+            i, k] over the group's 128 k; i < tokens, j < blocks, r < 32. nibbles uint8 [B, K, 16]:
+            at each k a block's byte r holds row r's level + 8 in its low nibble and row r + 16's in
+            its high one; scales fp32 [B, K / 128, 32]; x fp32 [T, K], bf16-rounded; out fp32
+            [T, >= B * 32]; C arrays.
+
+            A 16-byte load holds a k's 32 levels: widened to 16 int32 lanes, the low nibbles (- 8) are
+            rows 0-15 and the high ones rows 16-31, converted to fp32 exactly. level * x is exact in
+            fp32 (4 + 8 significant bits), so the fused multiply-add rounds only the sum, as the
+            route's fp32 sum does; a group's sum is scaled, then added to the total (two roundings, as
+            _w4a16_nibbles: the same bits). Per output one group sum and one running total, vector
+            registers both; an output's value depends only on its row and token, never on the tile."""
+            types = _numba.types
+            if (nibbles.dtype, scales.dtype, x.dtype, out.dtype) != (types.uint8, types.float32, types.float32, types.float32):
+                return None
+            signature = types.void(nibbles, scales, x, out, types.intp, types.intp)
+
+            def codegen(context, builder, signature, args):
+                from numba.core import cgutils
+
+                ir = llvmlite.ir
+                block, t0 = args[4:]
+                intp = context.get_value_type(types.intp)
+                const = lambda v: ir.Constant(intp, v)  # noqa: E731
+                words, floats = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.FloatType(), 16)
+                fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3), "llvm.fma.v16f32")
+                W, S, X, O = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:4], args[:4]))
+                K, x_row, out_row = (cgutils.unpack_tuple(builder, a.shape, n)[1] for a, n in ((W, 3), (X, 2), (O, 2)))
+                G = builder.sdiv(K, const(GROUP))
+                vector = lambda: cgutils.alloca_once(builder, floats)  # noqa: E731
+                # per token, per block: [rows 0-15, rows 16-31]
+                group_sums = [[vector() for _ in range(2 * blocks)] for _ in range(tokens)]
+                totals = [[vector() for _ in range(2 * blocks)] for _ in range(tokens)]
+                for total in sum(totals, []):
+                    builder.store(ir.Constant(floats, None), total)
+                low, eight, four = (ir.Constant(words, [v] * 16) for v in (15, 8, 4))
+                with cgutils.for_range(builder, G) as group:
+                    for acc in sum(group_sums, []):
+                        builder.store(ir.Constant(floats, None), acc)
+                    with cgutils.for_range(builder, const(GROUP)) as position:
+                        k = builder.add(builder.mul(group.index, const(GROUP)), position.index)
+                        levels = []  # per block: rows 0-15, rows 16-31
+                        for j in range(blocks):
+                            at = builder.mul(builder.add(builder.mul(builder.add(block, const(j)), K), k), const(16))
+                            codes = builder.load(builder.bitcast(builder.gep(W.data, [at]), ir.VectorType(ir.IntType(8), 16).as_pointer()), align=1)
+                            codes = builder.zext(codes, words)
+                            levels += [builder.sitofp(builder.sub(builder.and_(codes, low), eight), floats),
+                                       builder.sitofp(builder.sub(builder.lshr(codes, four), eight), floats)]
+                        for i in range(tokens):
+                            splat = _splat(builder, builder.load(builder.gep(X.data, [builder.add(builder.mul(builder.add(t0, const(i)), x_row), k)])))
+                            for acc, w in zip(group_sums[i], levels):
+                                builder.store(builder.call(fma, [w, splat, builder.load(acc)]), acc)
+                    for j in range(blocks):
+                        at = builder.mul(builder.add(builder.mul(builder.add(block, const(j)), G), group.index), const(32))
+                        for half in range(2):
+                            scale = builder.load(builder.bitcast(builder.gep(S.data, [builder.add(at, const(16 * half))]), floats.as_pointer()), align=4)
+                            for i in range(tokens):
+                                acc, total = group_sums[i][2 * j + half], totals[i][2 * j + half]
+                                builder.store(builder.fadd(builder.load(total), builder.fmul(builder.load(acc), scale)), total)
+                for i in range(tokens):
+                    for j in range(blocks):
+                        for half in range(2):
+                            at = builder.add(builder.mul(builder.add(t0, const(i)), out_row), builder.add(builder.mul(builder.add(block, const(j)), const(32)), const(16 * half)))
+                            builder.store(builder.load(totals[i][2 * j + half]), builder.bitcast(builder.gep(O.data, [at]), floats.as_pointer()), align=4)
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        return intrinsic(w4a16_tile)
+
+    # tiles of at most 16 accumulators (a group sum and a total per 16 outputs): 4 tokens x 1 block,
+    # 2 x 2, 1 x 4 (a decode step), 1 x 1 for the last blocks
+    _w4a16_4x1, _w4a16_2x2, _w4a16_1x4, _w4a16_1x1 = (_w4a16_tile(*shape) for shape in ((4, 1), (2, 2), (1, 4), (1, 1)))
 
 
 @_jit(fastmath=True, inline="always")  # inlined into numba's IR: a call left to LLVM stops the vectorizer
@@ -804,6 +896,36 @@ def _bf16_lanes(lanes, x, out, lo, hi):
 
 
 @_jit()
+def _w4a16_lanes(nibbles, scales, x, out, lo, hi):
+    """W4 nibble lanes [B, K, 16] with scales [B, K / 128, 32] against bf16-rounded fp32 x [T, K] into
+    out [T, >= B * 32], blocks [lo, hi) of 32 weight rows, through _w4a16_tile's tiles (AVX-512 CPUs:
+    w4a16_kernels)."""
+    T = x.shape[0]
+    t = 0
+    while T - t >= 4:
+        for b in range(lo, hi):
+            _w4a16_4x1(nibbles, scales, x, out, b, t)
+        t += 4
+    while T - t >= 2:
+        b = lo
+        while hi - b >= 2:
+            _w4a16_2x2(nibbles, scales, x, out, b, t)
+            b += 2
+        if b < hi:
+            _w4a16_1x1(nibbles, scales, x, out, b, t)
+            _w4a16_1x1(nibbles, scales, x, out, b, t + 1)
+        t += 2
+    if t < T:
+        b = lo
+        while hi - b >= 4:
+            _w4a16_1x4(nibbles, scales, x, out, b, t)
+            b += 4
+        while b < hi:
+            _w4a16_1x1(nibbles, scales, x, out, b, t)
+            b += 1
+
+
+@_jit()
 def _widen_lanes(lanes, wide):
     """wide[k, b * 32 + r] = the fp32 bits of bf16 lanes[b, k, r] (exact): the blocks given side by
     side as one [K, 32 * blocks] operand, W^T's columns for those rows, each copied run 32 long."""
@@ -1047,6 +1169,12 @@ def _bf16_lanes_parts(args, n, parts):
 
 
 @_parallel_jit
+def _w4a16_lanes_parts(args, n, parts):
+    for p in _prange(parts):
+        _w4a16_lanes(*args, n * p // parts, n * (p + 1) // parts)
+
+
+@_parallel_jit
 def _int8_lanes_parts(args, n, parts):
     for p in _prange(parts):
         _int8_lanes(*args, n * p // parts, n * (p + 1) // parts)
@@ -1067,7 +1195,7 @@ def _deltanet_heads_parts(args, n, parts):
 _PARTS_DRIVERS = {_w4a8_nibbles: _w4a8_nibbles_parts, _w4a8_bytes: _w4a8_bytes_parts,
                   _w4a8_nibble_quads: _w4a8_nibble_quads_parts, _w4a8_byte_quads: _w4a8_byte_quads_parts,
                   _w4a16_nibbles: _w4a16_nibbles_parts, _dense: _dense_parts, _dense_bf16: _dense_bf16_parts,
-                  _bf16_lanes: _bf16_lanes_parts, deltanet_heads: _deltanet_heads_parts, _int8_lanes: _int8_lanes_parts,
+                  _bf16_lanes: _bf16_lanes_parts, _w4a16_lanes: _w4a16_lanes_parts, deltanet_heads: _deltanet_heads_parts, _int8_lanes: _int8_lanes_parts,
                   swiglu_rows: _swiglu_rows_parts}
 
 
@@ -1345,9 +1473,75 @@ class TrellisLinear(TiledLinear):
         return _w4a8_bytes, (p.flat_codes, p.scale, p.minimum, q, lane_scale, act_scale, p.group, out)
 
 
+def w4a16_linear(weight: W4Weight, kernels: str | None = None) -> W4A16Lanes | W4A16Linear:
+    """The compiled `w4a16` Linear of this CPU's family (w4a16_kernels), or of the one named."""
+    return W4A16Lanes(weight) if (kernels or w4a16_kernels()[0]) == "avx512" else W4A16Linear(weight)
+
+
+class W4A16Lanes(cpu.Linear):
+    """`w4a16` on W4 (w4a16_kernels' "avx512"): bf16-rounded activations, an fp32 sum per 128-group
+    in k order, scaled, the groups summed in order, as cpu.W4A16Linear. 32 weight rows lie side by
+    side at each input, two levels a byte (nibbles [B, K, 16], byte r: row r's level + 8 low, row
+    r + 16's high; rows past N level 0), their scales [B, K / 128, 32], so _w4a16_lanes's vectors
+    take a block's 32 levels from one 16-byte load: the planes' loops (_w4a16_nibbles) ran a
+    1024 x 1024 product at 460 us a token row on one core. Every row computes the same way whatever
+    rows run beside it; a prefill runs in tiles of MAX_ROWS rows."""
+
+    route = "w4a16"
+
+    def __init__(self, weight: W4Weight):
+        N, K = weight.shape
+        self.rows, blocks = N, -(-N // 32)
+        self.nibbles = np.empty((blocks, K, 16), np.uint8)
+        self.scales = np.empty((blocks, K // GROUP, 32), np.float32)
+        step = max(1, REPACK_ROWS_WEIGHTS // K // 32)  # blocks repacked at a time
+
+        def chunks(lo: int, hi: int) -> None:
+            for first in range(lo * step, min(blocks, hi * step), step):
+                last = min(blocks, first + step)
+                start, stop = first * 32, min(N, last * 32)
+                levels, scale, _ = weight.decode_rows(start, stop)  # [r, K/128, 128], [r, K/128]
+                codes = np.full(((last - first) * 32, K), 8, np.uint8)  # padding rows: level 0, scale 0
+                codes[: stop - start] = levels.reshape(stop - start, K) + 8
+                scales = np.zeros(((last - first) * 32, K // GROUP), np.float32)
+                scales[: stop - start] = scale
+                halves = codes.reshape(last - first, 2, 16, K)  # [b, rows 0-15 | 16-31, 16, K]
+                self.nibbles[first:last] = (halves[:, 0] | (halves[:, 1] << np.uint8(4))).transpose(0, 2, 1)
+                self.scales[first:last] = scales.reshape(last - first, 32, K // GROUP).transpose(0, 2, 1)
+
+        in_parallel(chunks, -(-blocks // step))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.nibbles.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.nibbles.nbytes + self.scales.nbytes
+
+    def leading_rows(self, stop: int) -> W4A16Lanes | None:
+        """This Linear over weight rows 0..stop-1 alone, reading the same bytes (no copy): the draft
+        shortlist's leading block of the head. None when stop does not end a block of 32 rows."""
+        if stop % 32:
+            return None
+        leading = copy.copy(self)
+        leading.rows, leading.nibbles, leading.scales = stop, self.nibbles[: stop // 32], self.scales[: stop // 32]
+        return leading
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        N, K = self.shape
+        x = round_to_bf16(np.ascontiguousarray(x, dtype=np.float32))
+        blocks = self.nibbles.shape[0]
+        out = np.empty((x.shape[0], blocks * 32), np.float32)
+        for t0 in range(0, x.shape[0], MAX_ROWS):
+            split_kernel(_w4a16_lanes, (self.nibbles, self.scales, x[t0 : t0 + MAX_ROWS], out[t0 : t0 + MAX_ROWS]), blocks,
+                         split=N * K >= SPLIT_MIN_WEIGHTS)
+        return out if N == blocks * 32 else np.ascontiguousarray(out[:, :N])
+
+
 class W4A16Linear(TiledLinear):
-    """`w4a16` on W4: bf16-rounded activations, an fp32 sum per 128-group, scaled, as
-    cpu.W4A16Linear; sums in position then group order (_w4a16_nibbles)."""
+    """`w4a16` on W4 (w4a16_kernels' "generic"): bf16-rounded activations, an fp32 sum per
+    128-group, scaled, as cpu.W4A16Linear; sums in position then group order (_w4a16_nibbles)."""
 
     route = "w4a16"
 
@@ -1486,7 +1680,7 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
 
     w4 = W4Weight(np.zeros((8, 32), np.uint32), np.zeros((8, 2), np.uint16))
     # each kernel for each scale dtype it meets: f16 bits (Q4_0, Q8_0) and fp32 (IQ4_XS, Q4_K, W4)
-    linears = [W4A8Linear(blocks(name)) for name in ("Q4_0", "IQ4_XS", "Q8_0", "Q4_K")] + [W4A8Linear(w4), W4A16Linear(w4), DenseLinear(x4),
+    linears = [W4A8Linear(blocks(name)) for name in ("Q4_0", "IQ4_XS", "Q8_0", "Q4_K")] + [W4A8Linear(w4), w4a16_linear(w4), DenseLinear(x4),
                                                                                          BF16Linear(BF16Matrix(np.zeros((8, 256), np.uint16)))]
     steps = [lambda linear=linear: (linear(x1), linear(x4)) for linear in linears]
     vector, rows = np.zeros(2, np.float32), np.zeros((1, 2), np.float32)  # 2 value heads of 4, one key head
@@ -1526,7 +1720,7 @@ class _Compiled:
 
     DenseLinear = DenseLinear
     BF16Linear = BF16Linear
-    W4A16Linear = W4A16Linear
+    W4A16Linear = staticmethod(w4a16_linear)
     W4A8Linear = W4A8Linear
     TrellisLinear = TrellisLinear
     PermutedInput = cpu.PermutedInput

@@ -209,6 +209,27 @@ def test_each_kernel_family_gives_the_same_bits(make):
             assert np.array_equal(fast(x[:rows]), generic(x[:rows])), f"{family}, {rows} rows"
 
 
+def test_w4a16_families_give_the_same_bits():
+    """W4A16Lanes (AVX-512: a block of 32 rows' levels from one 16-byte load, fused multiply-adds)
+    sums each group in k order and scales it as the generic planes' loops do: every output bit equal
+    for 1 to 16 rows and a prefill's tiles, with a last block of 6 rows padded; both within the sum
+    bound of the definition. The draft shortlist's leading rows read the same bytes."""
+    kernels = compiled.w4a16_kernels()
+    assert kernels == (["avx512", "generic"] if {"avx512f", "avx512bw", "avx512vl", "fma"} <= compiled._CPU_FEATURES else ["generic"])
+    assert type(compiled.make_linear(random_w4(8, 128, 1), "w4a16")) is (compiled.W4A16Lanes if kernels[0] == "avx512" else compiled.W4A16Linear)
+    weight = random_w4(70, 384, seed=41)
+    x = activations(40, 384, seed=41) * np.float32(3)
+    generic = compiled.w4a16_linear(weight, "generic")
+    for family in kernels[:-1]:
+        fast = compiled.w4a16_linear(weight, family)
+        assert fast.shape == (70, 384) and fast.nbytes == 96 * 384 // 2 + 96 * 3 * 4  # 3 blocks of 32 rows
+        for rows in (1, 2, 3, 4, 5, 16, 17, 40):
+            assert np.array_equal(fast(x[:rows]), generic(x[:rows])), f"{family}, {rows} rows"
+        assert fast.leading_rows(50) is None
+        assert np.array_equal(fast.leading_rows(64)(x[:5]), fast(x[:5])[:, :64])
+    assert_within_sum_bound(generic(x), w4_reference(weight), round_to_bf16(x).astype(np.float64), terms=384)
+
+
 def test_the_avx2_family_gives_the_same_bits_on_a_cpu_told_it_has_no_avx512():
     """CI and users' machines differ: on an AVX-512 CPU the avx2 family would never run in-process.
     A child told the host's features without AVX-512 (NUMBA_CPU_FEATURES, which duet reads too) must
@@ -464,7 +485,8 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     assert reports == [(i, len(reports)) for i in range(1, len(reports) + 1)] and len(reports) >= 5
     w4a8 = [compiled._w4a8_nibble_quads, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] != "generic" else \
         [compiled._w4a8_nibbles, compiled._w4a8_bytes]
-    kernels = [*w4a8, compiled._w4a16_nibbles, compiled._dense, compiled.deltanet_heads,
+    w4a16 = compiled._w4a16_lanes if compiled.w4a16_kernels()[0] == "avx512" else compiled._w4a16_nibbles
+    kernels = [*w4a8, w4a16, compiled._dense, compiled.deltanet_heads,
                compiled.rms_norm_rows, compiled.swiglu_rows, compiled.conv_rows, compiled.attend_rows]
     drivers = [compiled.parts_driver(kernel) for kernel in kernels[:5]]  # the same kernels split between threads
     prepared = [len(kernel.signatures) for kernel in kernels + drivers]

@@ -252,7 +252,7 @@ def test_stacked_parts_merge_by_runs_of_one_storage_form():
     dense = [rng.standard_normal((4, 256)).astype(np.float32) for _ in range(2)]
     linear = stacked_linear([*w4, *dense], "w4a16")
     # The parts are the numpy Linears or their compiled twins (engine/backend/compiled.py), by route.
-    assert isinstance(linear, ConcatOutputs) and [type(p).__name__ for p in linear.parts] == ["W4A16Linear", "DenseLinear"]
+    assert isinstance(linear, ConcatOutputs) and [p.route for p in linear.parts] == ["w4a16", "bf16"]
     assert linear.shape == (72, 256)
     x = rng.standard_normal((20, 256)).astype(np.float32)
     separate = np.concatenate([W4A16Linear(w)(x) for w in w4] + [DenseLinear(d)(x) for d in dense], axis=-1)
