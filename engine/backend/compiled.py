@@ -48,9 +48,14 @@ from duet.engine.weights import BF16Matrix
 CACHE_DIR = Path(platformdirs.user_cache_dir("duet")) / "numba"
 KERNELS_ENV = "DUET_CPU_KERNELS"  # "numpy" runs the numpy reference Linears instead
 # Products smaller than this many weights run whole on the calling thread. Handing a part to a Python
-# worker cost ~40 us (the bound was 2^20 then); a region of numba's threads starts in 2-5 us, and the
-# demo's bf16 decode step took 1.5 ms with 2^20, 0.9 with 2^16 ([256, 1024] products split).
+# worker cost ~40 us (the bound was 2^20 then); a region of numba's threads starts in 2-5 us: a w4a8
+# [256, 256] product took 7.6 us a token row split, 9.4 whole.
 SPLIT_MIN_WEIGHTS = 1 << 16
+# The fp32-lane kernels (_bf16_lanes, _w4a16_lanes) do a weight's work in far less time than the int8
+# ones: they split from this many multiply-adds (weights x token rows). Measured on two cores, a row
+# of [512, 512] 3.6 us whole, 5.2 split; of [4096, 256] 23.7 whole, 12.1 split; the break-even was
+# between 2^18 and 2^19 in every shape of the demo's.
+SPLIT_MIN_PRODUCTS = 1 << 19
 
 
 _CPU_FEATURES: set[str] = set()  # the CPU features the kernels are compiled for (avx2, avx512vnni, ...)
@@ -1534,8 +1539,9 @@ class W4A16Lanes(cpu.Linear):
         blocks = self.nibbles.shape[0]
         out = np.empty((x.shape[0], blocks * 32), np.float32)
         for t0 in range(0, x.shape[0], MAX_ROWS):
-            split_kernel(_w4a16_lanes, (self.nibbles, self.scales, x[t0 : t0 + MAX_ROWS], out[t0 : t0 + MAX_ROWS]), blocks,
-                         split=N * K >= SPLIT_MIN_WEIGHTS)
+            rows = x[t0 : t0 + MAX_ROWS]
+            split_kernel(_w4a16_lanes, (self.nibbles, self.scales, rows, out[t0 : t0 + MAX_ROWS]), blocks,
+                         split=N * K * rows.shape[0] >= SPLIT_MIN_PRODUCTS)
         return out if N == blocks * 32 else np.ascontiguousarray(out[:, :N])
 
 
@@ -1625,7 +1631,7 @@ class BF16Linear(cpu.Linear):
         if x.shape[0] <= MAX_ROWS:
             blocks = self.lanes.shape[0]
             out = np.empty((x.shape[0], blocks * 32), np.float32)
-            split_kernel(_bf16_lanes, (self.lanes, x, out), blocks, split=N * K >= SPLIT_MIN_WEIGHTS)
+            split_kernel(_bf16_lanes, (self.lanes, x, out), blocks, split=N * K * x.shape[0] >= SPLIT_MIN_PRODUCTS)
             return out if N == blocks * 32 else np.ascontiguousarray(out[:, :N])
         out = np.empty((x.shape[0], N), np.float32)
         if self.lanes is not None:
