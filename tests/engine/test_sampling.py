@@ -161,6 +161,21 @@ def test_sampled_frequencies_match_probabilities() -> None:
     assert float((((uniform - expected) ** 2) / expected).sum()) > 400
 
 
+def test_a_draw_is_the_first_token_whose_cumulative_probability_passes_the_uniform() -> None:
+    """The sampler's definition, over the whole vocabulary: the cumulative float64 sum, normalised,
+    searched for the draw. Its zeros (tokens top-k and top-p removed, a residual's emptied entries)
+    are skipped by the sampler; the token drawn must be the same, draw after draw, from one seed."""
+    rng = np.random.default_rng(3)
+    sampler, definition = Sampler(SamplingParams(temperature=1.0, seed=11)), np.random.Generator(np.random.PCG64(11))
+    for trial in range(300):
+        probs = rng.random(VOCAB).astype(np.float32)
+        probs[rng.random(VOCAB) < (0.0, 0.5, 0.97)[trial % 3]] = 0  # none, half, nearly all removed
+        probs[rng.integers(VOCAB)] = 0.25  # at least one token possible; unnormalised on purpose
+        cdf = np.cumsum(probs, dtype=np.float64)
+        want = int(np.searchsorted(cdf / cdf[-1], definition.random(), side="right"))
+        assert sampler.draw(probs) == want and probs[want] > 0
+
+
 @pytest.mark.parametrize(
     "settings",
     [
