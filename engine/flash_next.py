@@ -309,18 +309,24 @@ class FlashCpuOps(CpuOps):
         cos, sin = rope_tables(np.arange(start, start + T), c.rotary_dim, c.rope_theta)
         q, k = apply_rope(q, cos[first:], sin[first:]), apply_rope(k, cos, sin)
         past = cache.length  # blocks and selections count cache rows; the MTP layer's sit one position on
-        cache.kv.append(k.transpose(1, 0, 2), v.reshape(T, kv_heads, hd).transpose(1, 0, 2))
+        k, v = k.transpose(1, 0, 2), v.reshape(T, kv_heads, hd).transpose(1, 0, 2)  # [kv, T, hd]
         d = ix.q_norm.shape[0]
-        cache.append_index_keys(np.ascontiguousarray(index_qk[:, ix.heads * d :]),
-                                lambda first_block, raw_blocks: self._pooled(ix, first_block, raw_blocks, start - past))
+        index_keys = np.ascontiguousarray(index_qk[:, ix.heads * d :])  # [T, d]
         index_q = self.rms_norm(index_qk[first:, : ix.heads * d].reshape(T - first, ix.heads, d), ix.q_norm, eps)
         index_q = _rotated(c, index_q, np.arange(start + first, start + T))  # [T - first, index heads, d]
         out = np.empty((T - first, heads * hd), np.float32)
-        for i, row in enumerate(range(past + first, past + T)):
-            tokens = self._selected(ix, index_q[i], cache, row)
-            keys, values = cache.kv.rows(row + 1)
-            # the row attends every selected token: as the last of them, nothing is masked
-            out[i] = attend(q[i : i + 1], keys[:, tokens], values[:, tokens], len(tokens) - 1)[0]
+        # MAX_ROWS rows at a time, each slice as a verify of its rows: a q4 cache keeps its latest rows exact
+        # in a ring of RECENT_ROWS + MAX_ROWS, so a row's window is read before a later slice overwrites it.
+        for lo in range(0, T, MAX_ROWS):
+            hi = min(T, lo + MAX_ROWS)
+            cache.kv.append(k[:, lo:hi], v[:, lo:hi])
+            cache.append_index_keys(index_keys[lo:hi],
+                                    lambda first_block, raw_blocks: self._pooled(ix, first_block, raw_blocks, start - past))
+            for t in range(max(lo, first), hi):
+                tokens = self._selected(ix, index_q[t - first], cache, past + t)
+                keys, values = cache.kv.rows(past + t + 1)
+                # the row attends every selected token: as the last of them, nothing is masked
+                out[t - first] = attend(q[t - first : t - first + 1], keys[:, tokens], values[:, tokens], len(tokens) - 1)[0]
         return out * sigmoid(gate)
 
     def _pooled(self, ix: Indexer, first_block: int, raw_blocks: np.ndarray, offset: int) -> np.ndarray:
