@@ -220,11 +220,12 @@ def _grow_to(array: np.ndarray, rows: int) -> np.ndarray:
 class PLEState:
     """A PLE layer's history (Flash-Next): the last ngram_size - 1 token ids (EOS before the first) and the
     last (kernel - 1) * dilation inputs of its dilated conv. A short call keeps its whole windows so
-    keep(n) can make the state after its first n rows current."""
+    keep(n) can make the state after its first n rows current. The ids stay on the host (the n-gram rows
+    are gathered there); the conv inputs live where the op set computes (numpy, or the GPU's device)."""
 
-    def __init__(self, context: int, eos: int, conv_rows: int, channels: int):
+    def __init__(self, context: int, eos: int, conv_rows: int, channels: int, zeros=np.zeros):
         self.tokens = np.full(context, eos, np.int64)
-        self.conv = np.zeros((conv_rows, channels), np.float32)
+        self.conv = zeros((conv_rows, channels), np.float32)  # zeros: numpy's, or the GPU op set's (cupy.zeros)
         self.token_window: np.ndarray | None = None  # [context + T] ids of the last short call
         self.conv_window: np.ndarray | None = None  # [conv_rows + T, channels]
 

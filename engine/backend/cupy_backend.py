@@ -233,23 +233,24 @@ class PermutedInput:
 # --------------------------------------------------------------------------- row ops ---
 
 def rms_norm(x, weight, eps: float) -> cp.ndarray:
-    """x [R, D] / sqrt(mean(x^2) + eps) * weight (zero-centred norms pass 1 + w)."""
-    x = _device_f32(x)
-    R, D = x.shape
+    """x [..., D] / sqrt(mean(x^2) + eps) * weight over the last axis (zero-centred norms pass 1 + w).
+    weight [D], or [k, D] when the rows take k weights in turn (Flash-Next's streams: x [T, hc, H], weight [hc, H])."""
+    x, weight = _device_f32(x), _device_f32(weight)
+    D = x.shape[-1]
     y = cp.empty_like(x)
-    kernel("norms", "rms_norm")((R,), (256,), (x, _device_f32(weight), y, _i32(D), _f32(eps)))
+    kernel("norms", "rms_norm")((x.size // D,), (256,), (x, weight, y, _i32(D), _i32(weight.size // D), _f32(eps)))
     return y
 
 
-def gated_rms_norm(x, z, weight, eps: float) -> cp.ndarray:
+def gated_rms_norm(x, z, weight, eps: float, sigmoid: bool = False) -> cp.ndarray:
     """DeltaNet's gated norm per value head: x [T, heads, D], z [T, heads * D] (rows may be wider:
-    read in place) -> rms_norm(x, w) * silu(z) [T, heads * D]."""
+    read in place) -> rms_norm(x, w) * silu(z) [T, heads * D]; sigmoid(z) with `sigmoid` (Flash-Next's gate)."""
     x = _device_f32(x)
     T, heads, D = x.shape
     z, z_stride = _rows(z)
     y = cp.empty((T, heads * D), cp.float32)
-    kernel("norms", "gated_rms_norm")((T * heads,), (128,),
-                                      (x, z, _device_f32(weight), y, _i32(D), _f32(eps), _i32(heads), _i64(z_stride)))
+    kernel("norms", "gated_rms_norm_sigmoid" if sigmoid else "gated_rms_norm")(
+        (T * heads,), (128,), (x, z, _device_f32(weight), y, _i32(D), _f32(eps), _i32(heads), _i64(z_stride)))
     return y
 
 
@@ -472,7 +473,175 @@ def attend(q, cache: KVCache | Q4KVCache, start: cp.ndarray, past: int) -> cp.nd
             (q, cache.signs, cache.key_codes, cache.key_scales, cache.value_codes, cache.value_scales, _i32(capacity),
              start, _i32(heads), _i32(kv), _i32(ATTENTION_CHUNK), scale, part_ml, part_acc, _i32(exact_chunks),
              _i32(n_slots)))
+    return _combined(part_ml, part_acc, cache.signs, n_plain, n_slots)
+
+
+def _combined(part_ml: cp.ndarray, part_acc: cp.ndarray, signs: cp.ndarray, n_plain: int, n_slots: int) -> cp.ndarray:
+    """The partials' slots [T, heads, n_slots, ...] combined (the rotated ones, from n_plain on, unrotated) -> [T, heads * hd]."""
+    T, heads, _, hd = part_acc.shape
     out = cp.empty((T, heads, hd), cp.float32)
     kernel("attention", "attention_combine")((heads, T), (hd,),
-                                             (part_ml, part_acc, cache.signs, out, _i32(hd), _i32(n_plain), _i32(n_slots)))
+                                             (part_ml, part_acc, signs, out, _i32(hd), _i32(n_plain), _i32(n_slots)))
     return out.reshape(T, heads * hd)
+
+
+# ------------------------------------------------------------------------ Flash-Next ---
+# engine/flash_next.py's steps (FlashCpuOps there is the reference), engine/kernels/flash_next.cu.
+
+def silu_div(x, divisor: int) -> cp.ndarray:
+    """silu(x / divisor), elementwise."""
+    x = _device_f32(x)
+    out = cp.empty_like(x)
+    kernel("flash_next", "silu_div")((_blocks(x.size, 256),), (256,), (x, out, _f32(divisor), _i64(x.size)))
+    return out
+
+
+def hc_mix(normed, logits, hc: int) -> cp.ndarray:
+    """The mean over streams of sigmoid(logits) * normed, both [T, hc * H] -> [T, H]."""
+    normed, logits = _device_f32(normed), _device_f32(logits)
+    T, H = normed.shape[0], normed.shape[1] // hc
+    mixed = cp.empty((T, H), cp.float32)
+    kernel("flash_next", "hc_mix")((_blocks(mixed.size, 256),), (256,), (normed, logits, mixed, _i32(H), _i32(hc), _i64(mixed.size)))
+    return mixed
+
+
+def hc_inject(streams, out, logits, hc: int) -> cp.ndarray:
+    """Each stream of streams [T, hc * H] plus out [T, H] times 2 sigmoid(logits / hc), logits [T, hc]."""
+    streams, out, logits = _device_f32(streams), _device_f32(out), _device_f32(logits)
+    injected = cp.empty_like(streams)
+    kernel("flash_next", "hc_inject")((_blocks(streams.size, 256),), (256,),
+                                      (streams, out, logits, injected, _i32(out.shape[1]), _i32(hc), _i64(streams.size)))
+    return injected
+
+
+def ple_gate(key, query, value, hc: int) -> cp.ndarray:
+    """value [T, H] into each stream, weighed by the sign-sqrt gate of key . query per stream (both [T, hc * H])."""
+    key, query, value = _device_f32(key), _device_f32(query), _device_f32(value)
+    T, H = value.shape
+    gated = cp.empty((T, hc * H), cp.float32)
+    kernel("flash_next", "ple_gate")((T * hc,), (256,), (key, query, value, gated, _i32(H), _i32(hc), _f32(np.sqrt(H))))
+    return gated
+
+
+def ple_conv(gated, normed, taps, dilation: int, state) -> cp.ndarray:
+    """gated + silu of the dilated causal conv of normed [T, C] (taps [C, K]) after state.conv's inputs; the
+    state advanced, a short call's window kept for a rollback (engine.cache.PLEState, its conv on the device)."""
+    gated, normed = _device_f32(gated), _device_f32(normed)
+    T, C = normed.shape
+    window = cp.empty((state.conv.shape[0] + T, C), cp.float32)
+    out = cp.empty((T, C), cp.float32)
+    kernel("flash_next", "ple_conv")((_blocks(C, 256),), (256,), (normed, _device_f32(taps), state.conv, window, gated, out,
+                                                                  _i32(T), _i32(C), _i32(taps.shape[1]), _i32(dilation)))
+    state.conv_window = window if T <= MAX_ROWS else None
+    state.conv = window[T:].copy()
+    return out
+
+
+class IndexedKVCache:
+    """engine.cache.IndexedKVCache on the device: the attention cache `kv` (KVCache or Q4KVCache), the
+    indexer's raw keys [capacity, d] and the pooled key of every complete block of `ratio` rows
+    [capacity / ratio + 1, d], pooled once, as its block completes. `length` is kv's; setting it (a
+    rollback) forgets the blocks past it."""
+
+    def __init__(self, kv, index_dim: int, ratio: int, capacity: int):
+        self.kv, self.ratio = kv, ratio
+        self.raw = cp.zeros((capacity, index_dim), cp.float32)
+        self.blocks = cp.zeros((capacity // ratio + 1, index_dim), cp.float32)
+        self.done_blocks = 0
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    @length.setter
+    def length(self, length: int) -> None:
+        self.kv.length = length
+        self.done_blocks = min(self.done_blocks, length // self.ratio)
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def reserve(self, rows: int) -> bool:
+        """Room for positions 0 .. rows - 1; True when an array moved."""
+        moved = self.kv.reserve(rows)
+        if rows <= self.raw.shape[0]:
+            return moved
+        self.raw = _grown_rows(self.raw, rows, self.length)
+        self.blocks = _grown_rows(self.blocks, rows // self.ratio + 1, self.done_blocks)
+        return True
+
+    def append_index_keys(self, raw, at: int, pool) -> None:
+        """Raw index keys [t, d] of cache rows at .. at + t - 1; pool(first_block, n) pools the n blocks they complete."""
+        end = at + raw.shape[0]
+        self.raw[at:end] = raw
+        complete = end // self.ratio
+        if complete > self.done_blocks:
+            pool(self.done_blocks, complete - self.done_blocks)
+            self.done_blocks = complete
+
+
+def _grown_rows(array: cp.ndarray, rows: int, kept: int) -> cp.ndarray:
+    """array [capacity, ...] with capacity max(rows, 2 x capacity), rows 0 .. kept - 1 kept."""
+    grown = cp.zeros((max(rows, 2 * array.shape[0]), *array.shape[1:]), array.dtype)
+    grown[:kept] = array[:kept]
+    return grown
+
+
+def pool_index_blocks(cache: IndexedKVCache, first_block: int, n: int, k_norm, inv_freq, rotary_dim: int, offset: int,
+                      eps: float) -> None:
+    """Blocks first_block .. + n of the cache's raw keys pooled into cache.blocks: mean, norm, RoPE at the
+    block's first position (its first cache row + offset)."""
+    kernel("flash_next", "index_pool")((n,), (cache.raw.shape[1],),
+                                       (cache.raw, _device_f32(k_norm), _device_f32(inv_freq), cache.blocks, _i32(first_block),
+                                        _i32(cache.ratio), _i32(rotary_dim), _i32(offset), _f32(eps)))
+
+
+def qsa_select(q, blocks, start: cp.ndarray, past: int, ratio: int, top_blocks: int) -> tuple[cp.ndarray, cp.ndarray]:
+    """The cache rows each query row reads, q [T, heads, d] the indexer's queries of cache rows start[0] + t
+    (`past` = start[0] on the host, to size the buffers), blocks [>= (past + T) / ratio, d] the pooled keys:
+    selected int32 [T, width] (ascending, the first counts[t] of row t) and counts int32 [T]."""
+    q = _device_f32(q)
+    T, heads, d = q.shape
+    n_blocks = max(1, (past + T) // ratio)
+    scores = cp.empty((T, n_blocks), cp.float32)
+    kernel("flash_next", "index_scores")((_blocks(n_blocks, 8), T), (256,),
+                                         (q, blocks, start, scores, _i32(heads), _i32(d), _i32(ratio), _i32(n_blocks)))
+    width = min(past + T, (top_blocks + 1) * ratio - 1)  # top blocks and a tail, or every row while fewer blocks are complete
+    selected = cp.empty((T, width), cp.int32)
+    counts = cp.empty(T, cp.int32)
+    kernel("flash_next", "qsa_select")((T,), (256,), (scores, start, selected, counts, _i32(n_blocks), _i32(ratio),
+                                                      _i32(top_blocks), _i32(width)))
+    return selected, counts
+
+
+def attend_selected(q, cache: KVCache | Q4KVCache, start: cp.ndarray, selected: cp.ndarray, counts: cp.ndarray) -> cp.ndarray:
+    """QSA's sparse attention: q [T, heads, hd] (row t the cache's row start[0] + t, already in it) over the
+    cache rows selected[t, :counts[t]] -> [T, heads * hd]."""
+    q = _device_f32(q)
+    T, heads, hd = q.shape
+    width, scale = selected.shape[1], _f32(hd ** -0.5)
+    if isinstance(cache, KVCache):
+        kv, capacity = cache.keys.shape[0], cache.keys.shape[1]
+        n_plain = n_slots = _blocks(width, ATTENTION_CHUNK)
+        part_ml = cp.empty((T, heads, n_slots, 2), cp.float32)
+        part_acc = cp.empty((T, heads, n_slots, hd), cp.float32)
+        kernel("attention", f"sparse_attention_partial_bf16_hd{hd}")(
+            (n_slots, heads, T), (128,),
+            (q, cache.keys, cache.values, _i32(capacity), selected, counts, _i32(width), _i32(heads), _i32(kv),
+             _i32(ATTENTION_CHUNK), scale, part_ml, part_acc, _i32(n_slots)))
+        return _combined(part_ml, part_acc, cache.signs, n_plain, n_slots)
+    kv, capacity = cache.key_codes.shape[0], cache.key_codes.shape[1]
+    n_plain = _blocks(SINK_ROWS + RECENT_ROWS, ATTENTION_CHUNK)
+    n_slots = n_plain + _blocks(width, ATTENTION_CHUNK)
+    part_ml = cp.empty((T, heads, n_slots, 2), cp.float32)
+    part_acc = cp.empty((T, heads, n_slots, hd), cp.float32)
+    kernel("attention", f"sparse_attention_partial_exact_hd{hd}")(
+        (n_plain, heads, T), (128,),
+        (q, cache.sink_keys, cache.sink_values, cache.ring_keys, cache.ring_values, _i32(cache.ring_rows), start, selected,
+         counts, _i32(width), _i32(heads), _i32(kv), _i32(ATTENTION_CHUNK), scale, part_ml, part_acc, _i32(n_slots)))
+    kernel("attention", f"sparse_attention_partial_q4_hd{hd}")(
+        (n_slots - n_plain, heads, T), (128,),
+        (q, cache.signs, cache.key_codes, cache.key_scales, cache.value_codes, cache.value_scales, _i32(capacity), start,
+         selected, counts, _i32(width), _i32(heads), _i32(kv), _i32(ATTENTION_CHUNK), scale, part_ml, part_acc,
+         _i32(n_plain), _i32(n_slots)))
+    return _combined(part_ml, part_acc, cache.signs, n_plain, n_slots)

@@ -234,6 +234,141 @@ ATTENTION_PARTIALS(64)
 ATTENTION_PARTIALS(128)
 ATTENTION_PARTIALS(256)
 
+// ------------------------------------------------------------------- QSA's selected rows ---
+// Flash-Next's indexed attention: query row t (cache row *start + t) reads only the cache rows
+// selected[t, 0 .. counts[t]) (ascending, the row itself last; flash_next.cu's qsa_select lists them),
+// so nothing is masked. The partials run attention_partial over list indices: `Selected` maps list
+// index i to the cache row its source reads. On the q4 cache the list's exact rows (positions below
+// the sink's end, and the recent window before the row's end) are its first and last entries and the
+// quantized middle the run between them, found by binary search; the exact partial skips that run.
+// Launch (each): grid (chunks, heads, T) over list indices, block 128; then attention_combine.
+
+// The first index of ascending a[0 .. n) whose value is >= value (n if none).
+__device__ int lower_bound(const int* a, int n, int value) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (a[mid] < value) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+template <class Rows>
+struct Selected {
+  Rows rows;
+  const int* list;   // the query row's selected cache rows
+  int skip_at, skip;  // list index i >= skip_at reads entry i + skip (the exact partial's jump over the middle)
+  __device__ int at(int i) const { return list[i < skip_at ? i : i + skip]; }
+  __device__ void key(int i, int lane, float* d) const { rows.key(at(i), lane, d); }
+  __device__ void value(int i, int lane, float* d) const { rows.value(at(i), lane, d); }
+};
+
+template <int HD>
+struct ExactByPosition {  // q4 cache's exact rows by position: the sink below Q4_SINK, else the ring
+  const float *sink_keys, *sink_values, *ring_keys, *ring_values;
+  int ring_rows;
+  __device__ void load(const float* sink, const float* ring, int p, int lane, float* d) const {
+    const float* row = (p < Q4_SINK ? sink + (size_t)p * HD : ring + (size_t)(p % ring_rows) * HD) + lane * (HD / WARP);
+#pragma unroll
+    for (int e = 0; e < HD / WARP; ++e) d[e] = row[e];
+  }
+  __device__ void key(int p, int lane, float* d) const { load(sink_keys, ring_keys, p, lane, d); }
+  __device__ void value(int p, int lane, float* d) const { load(sink_values, ring_values, p, lane, d); }
+};
+
+// The list of query row t and its quantized run [middle_lo, middle_hi) on the q4 cache.
+struct RowList {
+  const int* list;
+  int n, middle_lo, middle_hi;
+  __device__ RowList(const int* selected, const int* counts, int width, int end, int t)
+      : list(selected + (size_t)t * width), n(counts[t]) {
+    middle_lo = lower_bound(list, n, Q4_SINK);
+    middle_hi = lower_bound(list, n, max(Q4_SINK, end - Q4_RECENT));
+  }
+};
+
+template <int HD>
+__device__ void sparse_attention_partial_bf16(const float* q, const u16* keys, const u16* values, int capacity,
+                                              const int* selected, const int* counts, int width, int heads, int kv,
+                                              int chunk, float scale, float* part_ml, float* part_acc, int n_slots) {
+  __shared__ float qs[HD];
+  const int h = blockIdx.y, t = blockIdx.z, kvh = h / (heads / kv);
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] = q[((size_t)t * heads + h) * HD + i];
+  __syncthreads();
+  const Selected<Bf16Rows<HD>> rows{{keys + (size_t)kvh * capacity * HD, values + (size_t)kvh * capacity * HD},
+                                    selected + (size_t)t * width, width, 0};
+  attention_partial<HD>(rows, qs, 0, counts[t], t, h, heads, chunk, 0, n_slots, scale, part_ml, part_acc);
+}
+
+// q4 cache, the listed rows of the quantized middle, slots chunk_offset.. (q rotated as in attention_partial_q4).
+template <int HD>
+__device__ void sparse_attention_partial_q4(const float* q, const float* signs, const u8* key_codes,
+                                            const u16* key_scales, const u8* value_codes, const u16* value_scales,
+                                            int capacity, const int* start, const int* selected, const int* counts,
+                                            int width, int heads, int kv, int chunk, float scale, float* part_ml,
+                                            float* part_acc, int chunk_offset, int n_slots) {
+  __shared__ float qs[HD];
+  const int h = blockIdx.y, t = blockIdx.z, kvh = h / (heads / kv);
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] = q[((size_t)t * heads + h) * HD + i] * signs[i];
+  block_fwht(qs, HD);
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] *= 1.0f / sqrtf((float)HD);
+  __syncthreads();
+  const RowList listed(selected, counts, width, *start + t + 1, t);
+  const Selected<Q4Rows<HD>> rows{{key_codes + (size_t)kvh * capacity * (HD / 2), value_codes + (size_t)kvh * capacity * (HD / 2),
+                                   key_scales + (size_t)kvh * capacity * (HD / 32), value_scales + (size_t)kvh * capacity * (HD / 32)},
+                                  listed.list, listed.n, 0};
+  attention_partial<HD>(rows, qs, listed.middle_lo, listed.middle_hi, t, h, heads, chunk, chunk_offset, n_slots, scale,
+                        part_ml, part_acc);
+}
+
+// q4 cache, the listed exact rows (the sink, the recent window), slots 0..
+template <int HD>
+__device__ void sparse_attention_partial_exact(const float* q, const float* sink_keys, const float* sink_values,
+                                               const float* ring_keys, const float* ring_values, int ring_rows,
+                                               const int* start, const int* selected, const int* counts, int width,
+                                               int heads, int kv, int chunk, float scale, float* part_ml,
+                                               float* part_acc, int n_slots) {
+  __shared__ float qs[HD];
+  const int h = blockIdx.y, t = blockIdx.z, kvh = h / (heads / kv);
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) qs[i] = q[((size_t)t * heads + h) * HD + i];
+  __syncthreads();
+  const RowList listed(selected, counts, width, *start + t + 1, t);
+  const int middle = listed.middle_hi - listed.middle_lo;
+  const Selected<ExactByPosition<HD>> rows{{sink_keys + (size_t)kvh * Q4_SINK * HD, sink_values + (size_t)kvh * Q4_SINK * HD,
+                                            ring_keys + (size_t)kvh * ring_rows * HD, ring_values + (size_t)kvh * ring_rows * HD,
+                                            ring_rows},
+                                           listed.list, listed.middle_lo, middle};
+  attention_partial<HD>(rows, qs, 0, listed.n - middle, t, h, heads, chunk, 0, n_slots, scale, part_ml, part_acc);
+}
+
+#define SPARSE_ATTENTION_PARTIALS(HD)                                                                           \
+  extern "C" __global__ void __launch_bounds__(128) sparse_attention_partial_bf16_hd##HD(                      \
+      const float* q, const u16* keys, const u16* values, int capacity, const int* selected, const int* counts, \
+      int width, int heads, int kv, int chunk, float scale, float* part_ml, float* part_acc, int n_slots) {    \
+    sparse_attention_partial_bf16<HD>(q, keys, values, capacity, selected, counts, width, heads, kv, chunk,     \
+                                      scale, part_ml, part_acc, n_slots);                                       \
+  }                                                                                                             \
+  extern "C" __global__ void __launch_bounds__(128) sparse_attention_partial_q4_hd##HD(                        \
+      const float* q, const float* signs, const u8* key_codes, const u16* key_scales, const u8* value_codes,   \
+      const u16* value_scales, int capacity, const int* start, const int* selected, const int* counts,         \
+      int width, int heads, int kv, int chunk, float scale, float* part_ml, float* part_acc, int chunk_offset, \
+      int n_slots) {                                                                                            \
+    sparse_attention_partial_q4<HD>(q, signs, key_codes, key_scales, value_codes, value_scales, capacity,      \
+                                    start, selected, counts, width, heads, kv, chunk, scale, part_ml,          \
+                                    part_acc, chunk_offset, n_slots);                                          \
+  }                                                                                                             \
+  extern "C" __global__ void __launch_bounds__(128) sparse_attention_partial_exact_hd##HD(                     \
+      const float* q, const float* sink_keys, const float* sink_values, const float* ring_keys,                \
+      const float* ring_values, int ring_rows, const int* start, const int* selected, const int* counts,       \
+      int width, int heads, int kv, int chunk, float scale, float* part_ml, float* part_acc, int n_slots) {    \
+    sparse_attention_partial_exact<HD>(q, sink_keys, sink_values, ring_keys, ring_values, ring_rows, start,    \
+                                       selected, counts, width, heads, kv, chunk, scale, part_ml, part_acc,    \
+                                       n_slots);                                                                \
+  }
+SPARSE_ATTENTION_PARTIALS(64)
+SPARSE_ATTENTION_PARTIALS(128)
+SPARSE_ATTENTION_PARTIALS(256)
+
 // --------------------------------------------------------------------------- combine ---
 // out[t, h] = (sum over slots of e^(m_c - M) acc_c, the rotated slots unrotated) / (sum e^(m_c - M) l_c).
 // Slots [0, n_plain) are in the model's basis, [n_plain, n_slots) rotated (q4 middle rows; signs

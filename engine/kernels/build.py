@@ -29,8 +29,11 @@ KERNELS = {
              "int8_gemv_iq4_xs", "trellis_gemv"),
     "deltanet": ("causal_conv_silu", "deltanet_rows_dk32", "deltanet_rows_dk64", "deltanet_rows_dk128"),
     "attention": tuple(f"attention_partial_{kind}_hd{hd}" for hd in (64, 128, 256) for kind in ("bf16", "q4", "exact"))
+                 + tuple(f"sparse_attention_partial_{kind}_hd{hd}" for hd in (64, 128, 256) for kind in ("bf16", "q4", "exact"))
                  + ("attention_combine", "kv_append_bf16", "kv_append_q4"),
-    "norms": ("rms_norm", "gated_rms_norm", "l2_norm_heads", "qk_norm_rope", "silu_mul", "attention_gate"),
+    "norms": ("rms_norm", "gated_rms_norm", "gated_rms_norm_sigmoid", "l2_norm_heads", "qk_norm_rope", "silu_mul",
+              "attention_gate"),
+    "flash_next": ("silu_div", "hc_mix", "hc_inject", "ple_gate", "ple_conv", "index_pool", "index_scores", "qsa_select"),
 }
 SOURCES = tuple(KERNELS)
 ARCHES = ("sm_86", "sm_90")  # RTX 3090 (the product's card) and H100/H200

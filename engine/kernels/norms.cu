@@ -2,31 +2,48 @@
 // rms_norm, apply_rope, l2_normalize, silu, sigmoid). All fp32; one block per row unless noted.
 #include "common.cuh"
 
-// y = x / sqrt(mean(x^2) + eps) * w over rows of D (zero-centred norms pass w = 1 + weight).
-// Launch: grid R, block 256.
+// y = x / sqrt(mean(x^2) + eps) * w over rows of D (zero-centred norms pass w = 1 + weight). w holds
+// weight_rows rows of D and row r takes w's row r % weight_rows: 1 for one weight, hc for Flash-Next's
+// streams (x [T, hc * H] as rows of H: stream s of every token its own weight row). Launch: grid R, block 256.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
-                                    int D, float eps) {
+                                    int D, int weight_rows, float eps) {
   __shared__ float scratch[WARP];
   const float* row = x + (size_t)blockIdx.x * D;
+  const float* weight = w + (size_t)(blockIdx.x % weight_rows) * D;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) ss += row[i] * row[i];
   const float denom = sqrtf(block_sum(ss, scratch) / (float)D + eps);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) y[(size_t)blockIdx.x * D + i] = row[i] / denom * w[i];
+  for (int i = threadIdx.x; i < D; i += blockDim.x) y[(size_t)blockIdx.x * D + i] = row[i] / denom * weight[i];
 }
 
-// DeltaNet's gated norm per value head: y = (x / sqrt(mean(x^2) + eps) * w) * silu(z), rows of D.
+// DeltaNet's gated norm per value head: y = (x / sqrt(mean(x^2) + eps) * w) * gate(z), rows of D, the
+// gate silu (Qwen3.5) or sigmoid (Flash-Next's output_gate_type).
 // z is read in place from the in_proj output: row r (head r % heads of token r / heads) starts at
 // z + (r / heads) * z_row_stride + (r % heads) * D. Launch: grid R (= T * Hv), block 128.
-extern "C" __global__ void gated_rms_norm(const float* __restrict__ x, const float* __restrict__ z,
-                                          const float* __restrict__ w, float* __restrict__ y, int D, float eps,
-                                          int heads, long long z_row_stride) {
+template <bool SIGMOID>
+__device__ void gated_rms_norm_rows(const float* __restrict__ x, const float* __restrict__ z,
+                                    const float* __restrict__ w, float* __restrict__ y, int D, float eps, int heads,
+                                    long long z_row_stride) {
   __shared__ float scratch[WARP];
   const size_t base = (size_t)blockIdx.x * D;
   const float* gate = z + (size_t)(blockIdx.x / heads) * z_row_stride + (size_t)(blockIdx.x % heads) * D;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) ss += x[base + i] * x[base + i];
   const float denom = sqrtf(block_sum(ss, scratch) / (float)D + eps);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) y[base + i] = x[base + i] / denom * w[i] * silu_f(gate[i]);
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    y[base + i] = x[base + i] / denom * w[i] * (SIGMOID ? sigmoid_f(gate[i]) : silu_f(gate[i]));
+}
+
+extern "C" __global__ void gated_rms_norm(const float* __restrict__ x, const float* __restrict__ z,
+                                          const float* __restrict__ w, float* __restrict__ y, int D, float eps,
+                                          int heads, long long z_row_stride) {
+  gated_rms_norm_rows<false>(x, z, w, y, D, eps, heads, z_row_stride);
+}
+
+extern "C" __global__ void gated_rms_norm_sigmoid(const float* __restrict__ x, const float* __restrict__ z,
+                                                  const float* __restrict__ w, float* __restrict__ y, int D,
+                                                  float eps, int heads, long long z_row_stride) {
+  gated_rms_norm_rows<true>(x, z, w, y, D, eps, heads, z_row_stride);
 }
 
 // DeltaNet's q and k: y = x / sqrt(sum(x^2) + 1e-6) * scale per head of D (scale DK^-0.5 for q,

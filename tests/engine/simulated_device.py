@@ -52,6 +52,7 @@ from duet.engine.backend import cpu, cpu_ops, select
 from duet.engine.backend.select import backend_name
 from duet.engine.cache import dequantize_q4, hadamard, quantize_q4
 from duet.engine.checkpoint.safetensors import bf16_to_f32
+from duet.engine.flash_next import FlashCpuOps
 from duet.engine.kernels import build
 from duet.engine.quant.activation import f32_to_bf16_bits, quantize_int8_blocks
 from duet.engine.quant.gguf_blocks import BlockMatrix
@@ -683,14 +684,19 @@ def deltanet_rows(DK: int):
 
 
 def rms_norm(grid, block, a):
-    R, D = grid[0], int(a.D)  # a block per row
-    take(a.y, R, D)[...] = cpu_ops.rms_norm(take(a.x, R, D), take(a.w, D), a.eps)
+    R, D, k = grid[0], int(a.D), int(a.weight_rows)  # a block per row; row r takes weight row r % k
+    x, w, y = take(a.x, R, D), take(a.w, k, D), take(a.y, R, D)
+    for s in range(k):
+        y[s::k] = cpu_ops.rms_norm(x[s::k], w[s], a.eps)
 
 
-def gated_rms_norm(grid, block, a):
-    R, D, heads = grid[0], int(a.D), int(a.heads)
-    z = take_rows(a.z, R // heads, heads * D, int(a.z_row_stride)).reshape(R, D)  # the gate rows of each token
-    take(a.y, R, D)[...] = cpu_ops.rms_norm(take(a.x, R, D), take(a.w, D), a.eps) * cpu_ops.silu(z)
+def gated_rms_norm(gate):
+    def run(grid, block, a):
+        R, D, heads = grid[0], int(a.D), int(a.heads)
+        z = take_rows(a.z, R // heads, heads * D, int(a.z_row_stride)).reshape(R, D)  # the gate rows of each token
+        take(a.y, R, D)[...] = cpu_ops.rms_norm(take(a.x, R, D), take(a.w, D), a.eps) * gate(z)
+
+    return run
 
 
 def l2_norm_heads(grid, block, a):
@@ -772,30 +778,76 @@ def attention_partial(kind: str, HD: int):
     sources = {"bf16": bf16_rows, "q4": q4_rows, "exact": exact_rows}
 
     def run(grid, block, a):
-        chunks, heads, T = grid
-        all_heads, kv, chunk, n_slots = int(a.heads), int(a.kv), int(a.chunk), int(a.n_slots)
-        offset = int(a.chunk_offset) if kind == "q4" else 0
-        q = take(a.q, T, all_heads, HD)[:, :heads]
-        if kind == "q4":  # q . k = (H diag(s) q / sqrt(HD)) . r for a row stored rotated
-            q = (q * take(a.signs, HD)) @ rotation(HD)
-        kv_of_head = np.arange(heads) // (all_heads // kv)
-        part_ml, part_acc = take(a.part_ml, T, all_heads, n_slots, 2), take(a.part_acc, T, all_heads, n_slots, HD)
-        source = sources[kind](a, kv, HD)
-        for t in range(T):
-            lo, hi, rows = source(int(a.start[0]) + t + 1)
-            for c in range(chunks):
-                i, slot = np.arange(lo + c * chunk, min(hi, lo + (c + 1) * chunk)), offset + c
-                if not len(i):
-                    part_ml[t, :heads, slot], part_acc[t, :heads, slot] = (-np.inf, 0.0), 0.0
-                    continue
-                keys, values = (r[kv_of_head] for r in rows(i))  # [heads, n, HD]
-                scores = np.einsum("hd,hnd->hn", q[t], keys) * a.scale
-                top = scores.max(axis=-1)
-                p = np.exp(scores - top[:, None])
-                part_ml[t, :heads, slot] = np.stack([top, p.sum(axis=-1)], axis=-1)
-                part_acc[t, :heads, slot] = np.einsum("hn,hnd->hd", p, values)
+        source = sources[kind](a, int(a.kv), HD)
+        partials(kind, HD, grid, a, lambda t: source(int(a.start[0]) + t + 1))
 
     return run
+
+
+def sparse_attention_partial(kind: str, HD: int):
+    """sparse_attention_partial_<kind>_hd<HD>: attention_partial's slots over the list indices of query row t's
+    selected cache rows (selected[t, :counts[t]], ascending): all of them (bf16); on the q4 cache the run of
+    quantized middle rows (q4), or the exact rows around it (exact)."""
+    sources = {"bf16": bf16_rows, "q4": q4_rows, "exact": exact_by_position}
+
+    def run(grid, block, a):
+        width, sink, recent = int(a.width), constant("attention", "Q4_SINK"), constant("attention", "Q4_RECENT")
+        rows_at = sources[kind](a, int(a.kv), HD)(0)[2]  # cache rows by position (a row source's rows need no end here)
+
+        def listed(t: int):
+            positions = take(a.selected, grid[2], width)[t, : int(a.counts[t])]
+            if kind == "bf16":
+                return 0, len(positions), lambda i: rows_at(positions[i])
+            end = int(a.start[0]) + t + 1
+            middle = (positions >= sink) & (positions < max(sink, end - recent))  # a run: the list is ascending
+            lo, hi = np.searchsorted(positions, [sink, max(sink, end - recent)])
+            assert np.array_equal(np.flatnonzero(middle), np.arange(lo, hi))
+            kept = positions[middle] if kind == "q4" else positions[~middle]
+            first = lo if kind == "q4" else 0
+            return first, first + len(kept), lambda i: rows_at(kept[i - first])
+
+        partials(kind, HD, grid, a, listed)
+
+    return run
+
+
+def exact_by_position(a, kv: int, HD: int):
+    """The q4 cache's exact rows by position: the sink rows below Q4_SINK, the ring's row p % ring_rows above."""
+    sink_rows, ring_rows = constant("attention", "Q4_SINK"), int(a.ring_rows)
+    sinks = [take(p, kv, sink_rows, HD) for p in (a.sink_keys, a.sink_values)]
+    rings = [take(p, kv, ring_rows, HD) for p in (a.ring_keys, a.ring_values)]
+
+    def rows(p):
+        return tuple(np.where((p < sink_rows)[None, :, None], s[:, np.minimum(p, sink_rows - 1)], r[:, p % ring_rows])
+                     for s, r in zip(sinks, rings))
+
+    return lambda end: (0, end, rows)
+
+
+def partials(kind: str, HD: int, grid, a, source_of_row) -> None:
+    """The partial slots of every block (chunk c, head h, row t) of the grid; source_of_row(t) -> (lo, hi,
+    rows(i) -> keys, values [kv, n, HD]) gives the indices the row's chunks run over."""
+    chunks, heads, T = grid
+    all_heads, kv, chunk, n_slots = int(a.heads), int(a.kv), int(a.chunk), int(a.n_slots)
+    offset = int(a.chunk_offset) if kind == "q4" else 0
+    q = take(a.q, T, all_heads, HD)[:, :heads]
+    if kind == "q4":  # q . k = (H diag(s) q / sqrt(HD)) . r for a row stored rotated
+        q = (q * take(a.signs, HD)) @ rotation(HD)
+    kv_of_head = np.arange(heads) // (all_heads // kv)
+    part_ml, part_acc = take(a.part_ml, T, all_heads, n_slots, 2), take(a.part_acc, T, all_heads, n_slots, HD)
+    for t in range(T):
+        lo, hi, rows = source_of_row(t)
+        for c in range(chunks):
+            i, slot = np.arange(lo + c * chunk, min(hi, lo + (c + 1) * chunk)), offset + c
+            if not len(i):
+                part_ml[t, :heads, slot], part_acc[t, :heads, slot] = (-np.inf, 0.0), 0.0
+                continue
+            keys, values = (r[kv_of_head] for r in rows(i))  # [heads, n, HD]
+            scores = np.einsum("hd,hnd->hn", q[t], keys) * a.scale
+            top = scores.max(axis=-1)
+            p = np.exp(scores - top[:, None])
+            part_ml[t, :heads, slot] = np.stack([top, p.sum(axis=-1)], axis=-1)
+            part_acc[t, :heads, slot] = np.einsum("hn,hnd->hd", p, values)
 
 
 def attention_combine(grid, block, a):
@@ -838,6 +890,87 @@ def kv_append_q4(grid, block, a):
         take(scales, kv, capacity, HD // 32)[:, positions] = row_scales.view(np.uint16).transpose(1, 0, 2)
 
 
+# Flash-Next (flash_next.cu): flash_next.FlashCpuOps's steps, the CPU's numerics
+FLASH = FlashCpuOps(compiled_steps=False)
+
+
+def silu_div(grid, block, a):
+    n = min(int(a.n), threads(grid, block))
+    a.out[:n] = FLASH.silu_div(a.x[:n], a.divisor)
+
+
+def hc_mix(grid, block, a):
+    H, hc, size = int(a.H), int(a.hc), int(a.n)
+    n, T = min(size, threads(grid, block)), size // H
+    mixed = FLASH.hc_mix(take(a.normed, T, hc * H), take(a.logits, T, hc * H), hc)
+    a.mixed[:n] = mixed.ravel()[:n]
+
+
+def hc_inject(grid, block, a):
+    H, hc, size = int(a.H), int(a.hc), int(a.n)
+    n, T = min(size, threads(grid, block)), size // (hc * H)
+    injected = FLASH.hc_inject(take(a.streams, T, hc * H), take(a.out, T, H), take(a.logits, T, hc), hc)
+    a.out_streams[:n] = injected.ravel()[:n]
+
+
+def ple_gate(grid, block, a):
+    R, H, hc = grid[0], int(a.H), int(a.hc)  # a block per stream row
+    if a.root_h != np.float32(np.sqrt(H)):
+        raise ValueError(f"ple_gate: root_h {a.root_h} is not sqrt(H) in fp32")
+    T = -(-R // hc)
+    gated = FLASH.ple_gate(take(a.key, T, hc * H), take(a.query, T, hc * H), take(a.value, T, H), hc)
+    take(a.gated, R, H)[...] = gated.reshape(T * hc, H)[:R]
+
+
+def ple_conv(grid, block, a):
+    T, C, K, dilation = int(a.T), int(a.C), int(a.K), int(a.dilation)
+    c, R = min(C, threads(grid, block)), (K - 1) * dilation  # a thread per channel
+    history = take(a.history, R, C)
+    state = SimpleNamespace(conv=history.copy())
+    x = take(a.x, T, C)
+    out = FLASH.ple_conv(take(a.gated, T, C), x, take(a.taps, C, K), dilation, state)
+    take(a.window, R + T, C)[:, :c] = np.concatenate([history, x])[:, :c]
+    take(a.out, T, C)[:, :c] = out[:, :c]
+
+
+def index_pool(grid, block, a):
+    n, d, ratio, first = grid[0], block[0], int(a.ratio), int(a.first_block)  # a block per new block, a thread per dim
+    raw = take(a.raw, (first + n) * ratio, d)[first * ratio:].reshape(n, ratio, d)
+    pooled = cpu_ops.rms_norm(raw.mean(axis=1), take(a.w, d), a.eps)
+    rotary = int(a.rotary_dim)
+    positions = (first + np.arange(n)) * ratio + int(a.offset)
+    angles = positions[:, None].astype(np.float32) * take(a.inv_freq, rotary // 2)[None, :]
+    take(a.blocks, first + n, d)[first:] = cpu_ops.apply_rope(pooled[:, None, :], np.cos(angles), np.sin(angles))[:, 0]
+
+
+def index_scores(grid, block, a):
+    T, heads, d, ratio, n_blocks = grid[1], int(a.heads), int(a.d), int(a.ratio), int(a.n_blocks)
+    covered = min(n_blocks, grid[0] * block[0] // 32)  # a warp per block
+    q, blocks = take(a.q, T, heads, d), take(a.blocks, covered, d)
+    scores = take(a.scores, T, n_blocks)
+    for t in range(T):
+        complete = min(covered, (int(a.start[0]) + t + 1) // ratio)
+        scores[t, :covered] = -np.inf
+        scores[t, :complete] = np.maximum(q[t] @ blocks[:complete].T, 0).sum(axis=0)  # relu summed over heads
+
+
+def qsa_select(grid, block, a):
+    ratio, top_blocks, n_blocks, width = int(a.ratio), int(a.top_blocks), int(a.n_blocks), int(a.width)
+    scores, selected = take(a.scores, grid[0], n_blocks), take(a.selected, grid[0], width)
+    for t in range(grid[0]):  # a block per query row
+        row = int(a.start[0]) + t
+        complete = (row + 1) // ratio
+        if complete <= top_blocks:
+            rows = np.arange(row + 1)
+        else:
+            top = np.argsort(-scores[t, :complete], kind="stable")[:top_blocks]  # ties: the earlier block
+            scores[t, top] = -np.inf  # the kernel marks each block it takes
+            tail = np.arange(complete * ratio, row + 1)
+            rows = np.concatenate([(np.sort(top)[:, None] * ratio + np.arange(ratio)).ravel(), tail])
+        selected[t, :len(rows)] = rows
+        a.counts[t] = len(rows)
+
+
 TWINS = {
     "w4a16_gemm_t8": w4a16_gemm(1), "w4a16_gemm_t16": w4a16_gemm(2), "reduce_splits": reduce_splits,
     "f32_to_bf16_bits": f32_to_bf16_bits_twin,
@@ -846,7 +979,11 @@ TWINS = {
     "causal_conv_silu": causal_conv_silu, **{f"deltanet_rows_dk{dk}": deltanet_rows(dk) for dk in (32, 64, 128)},
     **{f"attention_partial_{kind}_hd{hd}": attention_partial(kind, hd) for hd in (64, 128, 256)
        for kind in ("bf16", "q4", "exact")},
+    **{f"sparse_attention_partial_{kind}_hd{hd}": sparse_attention_partial(kind, hd) for hd in (64, 128, 256)
+       for kind in ("bf16", "q4", "exact")},
     "attention_combine": attention_combine, "kv_append_bf16": kv_append_bf16, "kv_append_q4": kv_append_q4,
-    "rms_norm": rms_norm, "gated_rms_norm": gated_rms_norm, "l2_norm_heads": l2_norm_heads, "qk_norm_rope": qk_norm_rope,
-    "silu_mul": silu_mul, "attention_gate": attention_gate,
+    "rms_norm": rms_norm, "gated_rms_norm": gated_rms_norm(cpu_ops.silu), "gated_rms_norm_sigmoid": gated_rms_norm(cpu_ops.sigmoid),
+    "l2_norm_heads": l2_norm_heads, "qk_norm_rope": qk_norm_rope, "silu_mul": silu_mul, "attention_gate": attention_gate,
+    "silu_div": silu_div, "hc_mix": hc_mix, "hc_inject": hc_inject, "ple_gate": ple_gate, "ple_conv": ple_conv,
+    "index_pool": index_pool, "index_scores": index_scores, "qsa_select": qsa_select,
 }

@@ -52,14 +52,15 @@ def rms_norm_args(cp, rows: int = 2):
 def test_a_launch_is_checked_against_the_kernels_source(cp):
     rms_norm = build.kernel("norms", "rms_norm")
     x, w, y = rms_norm_args(cp)
-    rms_norm((2,), (256,), (x, w, y, np.int32(64), np.float32(1e-6)))
+    one = np.int32(1)  # weight rows
+    rms_norm((2,), (256,), (x, w, y, np.int32(64), one, np.float32(1e-6)))
     want = x.get() / np.sqrt((x.get() ** 2).mean(axis=1, keepdims=True) + 1e-6)
     np.testing.assert_allclose(y.get(), want, rtol=1e-6)
-    wrong = {"D is a C int; pass numpy.int32, not int": (x, w, y, 64, np.float32(1e-6)),  # CuPy would pass 8 bytes
-             "eps is a C float; pass numpy.float32, not float": (x, w, y, np.int32(64), 1e-6),
-             r"x is a float\*, got ndarray": (x.get(), w, y, np.int32(64), np.float32(1e-6)),
-             r"w is a float\*, got a uint16 device array": (x, w.astype(cp.uint16), y, np.int32(64), np.float32(1e-6)),
-             "takes 5 arguments, got 4": (x, w, y, np.int32(64))}
+    wrong = {"D is a C int; pass numpy.int32, not int": (x, w, y, 64, one, np.float32(1e-6)),  # CuPy would pass 8 bytes
+             "eps is a C float; pass numpy.float32, not float": (x, w, y, np.int32(64), one, 1e-6),
+             r"x is a float\*, got ndarray": (x.get(), w, y, np.int32(64), one, np.float32(1e-6)),
+             r"w is a float\*, got a uint16 device array": (x, w.astype(cp.uint16), y, np.int32(64), one, np.float32(1e-6)),
+             "takes 6 arguments, got 5": (x, w, y, np.int32(64), one)}
     for message, args in wrong.items():
         with pytest.raises(TypeError, match=message):
             rms_norm((2,), (256,), args)
@@ -67,7 +68,7 @@ def test_a_launch_is_checked_against_the_kernels_source(cp):
 
 def test_a_kernel_computes_only_what_its_grid_covers(cp):
     x, w, y = rms_norm_args(cp)
-    build.kernel("norms", "rms_norm")((1,), (256,), (x, w, y, np.int32(64), np.float32(1e-6)))  # one block: row 0
+    build.kernel("norms", "rms_norm")((1,), (256,), (x, w, y, np.int32(64), np.int32(1), np.float32(1e-6)))  # one block: row 0
     assert np.all(np.isfinite(y.get()[0])) and np.all(np.isnan(y.get()[1]))  # row 1 is still uninitialised memory
 
 

@@ -4,6 +4,9 @@ cpu_ops.py, engine/cache.py), on two devices (the `cp` fixture): a GPU, where th
 sm_90 by test_kernels_compile.py), and the simulated device (simulated_device.py), where numpy twins
 of the kernels run under the same op wrappers: it checks the launches and the twins, not the CUDA code.
 
+Flash-Next's steps (hyper-connection norms, mixing and injection, the PLE gate and dilated conv, QSA's
+block pooling, selection and sparse attention) are held to engine/flash_next.FlashCpuOps the same way.
+
 Per-op tolerances (what may differ, and the bound that follows):
 - bit-exact: bf16 rounding, int8 activation codes and scales (plain and Hadamard-rotated): the same
   operations in the same order.
@@ -14,6 +17,8 @@ Per-op tolerances (what may differ, and the bound that follows):
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import gguf
 import numpy as np
 import pytest
@@ -22,8 +27,9 @@ from simulated_device import cupy_fixture
 
 from duet.engine.backend import cpu
 from duet.engine.backend import cupy_backend as gb
-from duet.engine.cache import DeltaNetState, Q4KVCache
+from duet.engine.cache import DeltaNetState, IndexedKVCache, KVCache, PLEState, Q4KVCache
 from duet.engine.backend.cpu_ops import apply_rope, attend, causal_conv, delta_rule_rows, l2_normalize, rms_norm, rope_tables, sigmoid, silu
+from duet.engine.flash_next import FlashCpuOps
 from duet.engine.quant.activation import f32_to_bf16_bits, quantize_int8_blocks, round_to_bf16
 from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations, rotation_signs
@@ -288,3 +294,129 @@ def test_norms_gates_and_rope_match_cpu(cp):
 
     gate_up = rng.standard_normal((T, 2 * 1024)).astype(np.float32)
     np.testing.assert_allclose(host(gb.silu_mul(gate_up)), silu(gate_up[:, :1024]) * gate_up[:, 1024:], rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------- Flash-Next ---
+# engine/flash_next.FlashCpuOps is the reference of each step.
+
+FLASH = FlashCpuOps(compiled_steps=False)
+
+
+@pytest.mark.parametrize("T", [1, 5, 21])
+def test_hyper_connection_steps_match_cpu(T, cp):
+    rng = np.random.default_rng(T)
+    hc, H, eps = 3, 256, 1e-6
+    streams = rng.standard_normal((T, hc * H)).astype(np.float32)
+    norm = 1 + 0.2 * rng.standard_normal(hc * H).astype(np.float32)
+    normed = FLASH.stream_norm(streams, norm, hc, eps)
+    got = host(gb.rms_norm(streams.reshape(T, hc, H), norm.reshape(hc, H), eps)).reshape(T, hc * H)  # a weight row per stream
+    np.testing.assert_allclose(got, normed, rtol=1e-5, atol=1e-6)
+    low = rng.standard_normal((T, 24)).astype(np.float32)
+    np.testing.assert_allclose(host(gb.silu_div(low, hc)), FLASH.silu_div(low, hc), rtol=1e-5, atol=1e-7)
+    logits = rng.standard_normal((T, hc * H)).astype(np.float32)
+    np.testing.assert_allclose(host(gb.hc_mix(normed, logits, hc)), FLASH.hc_mix(normed, logits, hc), rtol=1e-5, atol=1e-6)
+    out, inject = rng.standard_normal((T, H)).astype(np.float32), rng.standard_normal((T, hc)).astype(np.float32)
+    np.testing.assert_allclose(host(gb.hc_inject(streams, out, inject, hc)), FLASH.hc_inject(streams, out, inject, hc),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 4, 21])
+def test_ple_gate_and_dilated_conv_match_cpu_and_roll_back(T, cp):
+    rng = np.random.default_rng(10 + T)
+    hc, H, K, dilation = 3, 64, 4, 3
+    C, R = hc * H, (K - 1) * dilation
+    key, query = (rng.standard_normal((T, C)).astype(np.float32) for _ in range(2))
+    value = rng.standard_normal((T, H)).astype(np.float32)
+    key[0, :H] = 0.0  # a gate of exactly 0: sign 0, sigmoid 0.5
+    gated = FLASH.ple_gate(key, query, value, hc)
+    np.testing.assert_allclose(host(gb.ple_gate(key, query, value, hc)), gated, rtol=1e-5, atol=1e-6)
+
+    normed = rng.standard_normal((T, C)).astype(np.float32)
+    taps = rng.standard_normal((C, K)).astype(np.float32)
+    history = rng.standard_normal((R, C)).astype(np.float32)
+    cpu_state, state = PLEState(2, 7, R, C), PLEState(2, 7, R, C, zeros=cp.zeros)
+    cpu_state.conv, state.conv[...] = history.copy(), cp.asarray(history)
+    want = FLASH.ple_conv(gated, normed, taps, dilation, cpu_state)
+    got = host(gb.ple_conv(gated, normed, taps, dilation, state))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # the conv sums in order; silu's expf is not exact
+    assert np.array_equal(host(state.conv), cpu_state.conv)
+    if 1 < T <= 16:  # a verify's rollback (a prefill keeps no window): the conv inputs after its first row
+        for s in (state, cpu_state):
+            s.token_window = np.arange(2 + T)
+            s.keep(1)
+        assert np.array_equal(host(state.conv), cpu_state.conv) and np.array_equal(cpu_state.conv, np.concatenate([history, normed])[1:1 + R])
+
+
+def test_index_blocks_pool_as_the_cpu_pools_them_across_calls_and_rollbacks(cp):
+    """Raw index keys appended in uneven calls with rollbacks between: every complete block pooled (mean,
+    norm, RoPE at its first position plus the MTP layer's offset) as the CPU pools it."""
+    rng = np.random.default_rng(7)
+    d, ratio, rotary, theta, eps, offset = 32, 4, 16, 1e4, 1e-6, 1
+    k_norm = 1 + 0.2 * rng.standard_normal(d).astype(np.float32)
+    config = SimpleNamespace(rms_norm_eps=eps, rotary_dim=rotary, rope_theta=theta)
+    indexer = SimpleNamespace(k_norm=k_norm, ratio=ratio, config=config)
+    inv_freq = 1.0 / theta ** (np.arange(0, rotary, 2, dtype=np.float32) / rotary)
+    cpu_cache, cache = IndexedKVCache(KVCache(1, 2), d, ratio), gb.IndexedKVCache(gb.KVCache(1, 64, 8), d, ratio, 8)
+    for rows, keep in [(7, 7), (9, 3), (1, 1), (13, 10), (300, 300), (5, 2)]:
+        raw = rng.standard_normal((rows, d)).astype(np.float32)
+        at = cpu_cache.length
+        cpu_cache.kv.append(np.zeros((1, rows, 2), np.float32), np.zeros((1, rows, 2), np.float32))
+        cpu_cache.append_index_keys(raw, lambda first, blocks: FLASH._pooled(indexer, first, blocks, offset))
+        cache.reserve(at + rows)
+        cache.kv.length += rows  # as kv.append counts them
+        cache.append_index_keys(cp.asarray(raw), at, lambda first, n: gb.pool_index_blocks(
+            cache, first, n, k_norm, inv_freq, rotary, offset, eps))
+        assert cache.done_blocks == cpu_cache.done_blocks
+        np.testing.assert_allclose(host(cache.blocks)[:cache.done_blocks], cpu_cache.blocks, rtol=1e-5, atol=1e-5)
+        cpu_cache.truncate(at + keep)
+        cache.truncate(at + keep)
+        assert (cache.length, cache.done_blocks) == (cpu_cache.length, cpu_cache.done_blocks)
+
+
+@pytest.mark.parametrize("T,past", [(1, 2), (3, 60), (16, 200)])
+def test_qsa_lists_the_rows_the_cpu_selects(T, past, cp):
+    """Integer-valued queries and block keys: every score is exact in fp32 in any summation order, so the
+    lists must be the CPU's, its ties (relu sums of 0, equal sums) broken toward the earlier block included."""
+    rng = np.random.default_rng(past)
+    ratio, top, heads, d = 4, 4, 4, 32
+    q = rng.integers(-2, 3, (T, heads, d)).astype(np.float32)
+    blocks = rng.integers(-2, 3, ((past + T) // ratio + 1, d)).astype(np.float32)
+    selected, counts = gb.qsa_select(q, cp.asarray(blocks), cp.asarray([past], cp.int32), past, ratio, top)
+    indexer, cpu_cache = SimpleNamespace(ratio=ratio, top_blocks=top), SimpleNamespace(blocks=blocks)
+    for t in range(T):
+        want = FLASH._selected(indexer, q[t], cpu_cache, past + t)
+        assert np.array_equal(host(selected)[t, :host(counts)[t]], want)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "q4"])
+def test_sparse_attention_over_listed_rows_matches_cpu(kind, cp):
+    """Each row attends its own ascending list of rows (the sink, blocks of the quantized middle, the
+    recent window, itself last) as the CPU's QSA attends the rows it selects."""
+    heads, kv, hd, T, past = 8, 2, 128, 3, 300
+    q, keys, values = attention_inputs(T, past, heads, kv, hd, seed=11)
+    rng = np.random.default_rng(12)
+    lists = [np.unique(np.concatenate([[0, 2], rng.choice(past + t, 40, replace=False), np.arange(past + t - 3, past + t + 1)]))
+             for t in range(T)]
+    selected = np.zeros((T, max(map(len, lists))), np.int32)
+    for t, rows in enumerate(lists):
+        selected[t, :len(rows)] = rows
+    counts = np.array([len(rows) for rows in lists], np.int32)
+    start = cp.asarray([past], cp.int32)
+    if kind == "bf16":
+        cache = gb.KVCache(kv, hd, capacity=past + T)
+        cache.append(keys, values, cp.asarray([0], cp.int32))
+        k_rounded, v_rounded = (round_to_bf16(a).transpose(1, 0, 2) for a in (keys, values))
+        rows_seen = [(k_rounded, v_rounded)] * T
+    else:
+        cpu_cache = Q4KVCache(kv, hd)
+        cpu_cache.append(keys.transpose(1, 0, 2), values.transpose(1, 0, 2))
+        cache = gb.Q4KVCache(kv, hd, capacity=past + T)
+        for first in range(0, past + T, 16):
+            rows = slice(first, min(past + T, first + 16))
+            cache.append(keys[rows], values[rows], cp.asarray([first], cp.int32))
+        rows_seen = [cpu_cache.rows(past + t + 1) for t in range(T)]
+    got = host(gb.attend_selected(q, cache, start, cp.asarray(selected), cp.asarray(counts)))
+    want = np.concatenate([attend(q[t:t + 1], k[:, rows], v[:, rows], len(rows) - 1)
+                           for t, (rows, (k, v)) in enumerate(zip(lists, rows_seen))])
+    # q4: a code may sit on a rounding boundary (see test_attention_q4_cache_matches_cpu)
+    np.testing.assert_allclose(got, want, rtol=1e-3 if kind == "q4" else 1e-4, atol=2e-3 if kind == "q4" else 1e-5)
