@@ -7,6 +7,11 @@ on its way up), and the layers are engine/model.py's. One GpuOps serves one load
 that model's CUDA-graph bookkeeping. The CPU op set stays the reference every GPU test holds this
 one to.
 
+Flash-Next (engine/flash_next.py) runs here too: GpuOps has its steps (stream norms, hyper-connection
+mixing and injection, the PLE gate and dilated conv, QSA's indexed attention) over
+engine/kernels/flash_next.cu and attention.cu's sparse partials. Its n-gram rows are gathered on the
+host, where the table lives, and go up as [T, heads * D]; its token history stays on the host.
+
 Rows. A call of T <= MAX_ROWS tokens (a decode step, or a verify of the last token plus drafts)
 runs every layer once over all rows. A longer call (prefill) runs the Linears over all rows and
 the DeltaNet and attention cores MAX_ROWS rows at a time, each slice exactly as a verify of its
@@ -18,7 +23,8 @@ Where the numbers differ from the CPU op set (the GPU tests' tolerances cover ea
   card where the CPU keeps fp32;
 - a DeltaNet prefill runs the recurrence row by row, where the CPU uses the chunked form;
 - a q4-KV prefill reads its own earlier rows as the cache holds them (the CPU reads the rows of one
-  prefill call exact): prompts shorter than SINK_ROWS + RECENT_ROWS tokens see no difference;
+  prefill call exact; Flash-Next's QSA reads them as the GPU does, MAX_ROWS rows at a time): prompts
+  shorter than SINK_ROWS + RECENT_ROWS tokens see no difference;
 - bf16-route Linears are cuBLAS products, which do not promise a verify row the bits of the one-row
   step it stands for; the W4 routes' kernels compute every row the same way at any row count.
 
@@ -27,7 +33,8 @@ grid) and replayed: tokens and the position are read on the device from `state.i
 same graph serves every cycle; the graph also computes the logits. Grids are sized for a
 power-of-two number of ATTENTION_CHUNK key chunks, and chunks past a row's end are empty, which
 the combine skips, so a replay computes what the uncaptured pass computes. MoE layers route on the
-host, and a head computed on the host cannot be captured: those models run uncaptured.
+host, and a head computed on the host cannot be captured: those models (Flash-Next among them, whose
+n-gram rows are gathered on the host too) run uncaptured.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import numpy as np
 from duet.engine.backend import cpu
 from duet.engine.backend import cupy_backend as gb
 from duet.engine.backend.cupy_backend import ATTENTION_CHUNK, MAX_ROWS
+from duet.engine.cache import PLEState
 from duet.engine.config import ModelConfig
 from duet.engine.model import MoE
 from duet.engine.weights import take_rows
@@ -122,15 +130,16 @@ class Rows:
     the cache index of row 0, which sizes attention grids (the true index when uncaptured, a
     bucket's start in a graph)."""
 
-    def __init__(self, T: int, starts: cp.ndarray, past: int, rope_start: cp.ndarray | None = None):
+    def __init__(self, T: int, starts: cp.ndarray, past: int, rope_start: cp.ndarray | None = None, rope_offset: int = 0):
         self.T, self.starts, self.past = T, starts, past
         self.rope_start = starts[:1] if rope_start is None else rope_start
+        self.rope_offset = rope_offset  # rope_start - starts[0], on the host
 
     @classmethod
     def at(cls, index: int, T: int, rope_offset: int = 0) -> Rows:
         starts = cp.asarray(index + np.arange(0, T, MAX_ROWS), dtype=cp.int32)
         rope = cp.asarray([index + rope_offset], dtype=cp.int32) if rope_offset else None
-        return cls(T, starts, index, rope)
+        return cls(T, starts, index, rope, rope_offset)
 
     def slices(self):
         """(row slice, its cache index int32 [1] on the device, host bound of that index)."""
@@ -217,25 +226,28 @@ class GpuOps:
         state.reserve(state.length + T)
         if T <= MAX_ROWS:
             state.inputs[: 1 + T].set(np.concatenate([[state.length], ids]).astype(np.int32))
-            hidden = self._short(model, state, T)
+            hidden = self._short(model, state, ids)
         else:
-            hidden = model.run_layers(model.embed[ids], state.layers, Rows.at(state.length, T))
+            hidden = model.run_layers(model.embed[ids], state.layers, Rows.at(state.length, T), ids=ids)
         state.advance(T)
         return hidden[-1:] if last_only else hidden
 
-    def _short(self, model, state: GpuState, T: int) -> cp.ndarray:
+    def _short(self, model, state: GpuState, ids: np.ndarray) -> cp.ndarray:
+        T = len(ids)
         graph = self.cycle_graph(model, state, T)
         if graph is not None:
             hidden = graph.replay()
             self._last_graph = (hidden, graph)
             return hidden
-        hidden = self.rows_pass(model, state, T, state.length)
+        hidden = self.rows_pass(model, state, T, state.length, ids)
         self.warm.add(T)
         return hidden
 
-    def rows_pass(self, model, state: GpuState, T: int, past: int) -> cp.ndarray:
-        """The uncaptured pass of a short call whose tokens and position are in state.inputs."""
-        return model.run_layers(model.embed[state.inputs[1:1 + T]], state.layers, Rows(T, state.inputs[:1], past))
+    def rows_pass(self, model, state: GpuState, T: int, past: int, ids: np.ndarray | None = None) -> cp.ndarray:
+        """The uncaptured pass of a short call whose tokens and position are in state.inputs. ids: the
+        tokens on the host, for layers that read them there (Flash-Next's n-gram rows; such a model is
+        never captured); None in a capture."""
+        return model.run_layers(model.embed[state.inputs[1:1 + T]], state.layers, Rows(T, state.inputs[:1], past), ids=ids)
 
     def cycle_graph(self, model, state: GpuState, T: int) -> CycleGraph | None:
         """The captured cycle for T rows at this state's length, captured now if need be; None when
@@ -316,7 +328,53 @@ class GpuOps:
             k = gb.l2_norm_heads(conv, hk, dk, 1.0, offset=hk * dk)
             parts.append(gb.delta_rule_rows(q, k, conv[:, 2 * hk * dk:], b[piece], a[piece], layer.decay_rate,
                                             layer.dt_bias, state))
-        return gb.gated_rms_norm(_joined(parts), z, layer.norm, c.rms_norm_eps)  # [T, Hv * dv]
+        return gb.gated_rms_norm(_joined(parts), z, layer.norm, c.rms_norm_eps, sigmoid=c.output_gate != "silu")  # [T, Hv * dv]
+
+
+    # ---- Flash-Next's steps (engine/flash_next.py; FlashCpuOps there is the reference)
+
+    def ple_state(self, context: int, eos: int, conv_rows: int, channels: int) -> PLEState:
+        """A PLE layer's history: its token ids on the host (the n-gram rows are gathered there), its conv inputs here."""
+        return PLEState(context, eos, conv_rows, channels, zeros=cp.zeros)
+
+    def indexed_cache(self, kv, index_dim: int, ratio: int) -> gb.IndexedKVCache:
+        return gb.IndexedKVCache(kv, index_dim, ratio, KV_CAPACITY)
+
+    def stream_norm(self, x, weight: cp.ndarray, hc: int, eps: float) -> cp.ndarray:
+        """x [T, hc * H] normed over each stream's H values with its slice of weight [hc * H]: [T, hc * H]."""
+        T = x.shape[0]
+        return gb.rms_norm(x.reshape(T, hc, -1), weight.reshape(hc, -1), eps).reshape(T, -1)
+
+    silu_div = staticmethod(gb.silu_div)
+    hc_mix = staticmethod(gb.hc_mix)
+    hc_inject = staticmethod(gb.hc_inject)
+    ple_gate = staticmethod(gb.ple_gate)
+    ple_conv = staticmethod(gb.ple_conv)
+
+    def indexed_attention(self, layer, q_and_gate: cp.ndarray, k: cp.ndarray, v: cp.ndarray, index_qk: cp.ndarray,
+                          cache: gb.IndexedKVCache, rows: Rows, first: int) -> cp.ndarray:
+        """QSA's gated attention core (flash_next.FlashCpuOps.indexed_attention): per slice of rows, its keys,
+        values and index keys into the cache (pooling the blocks they complete), then each query row's
+        top blocks and tail are listed and attended."""
+        a, ix, c = layer.attention, layer.indexer, layer.attention.config
+        T, heads, kv, hd, eps = k.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        d = ix.q_norm.shape[0]
+        assert first == 0, "GpuOps.forward runs every row"
+        q = gb.qk_norm_rope(q_and_gate, a.q_norm, self.inv_freq, rows.rope_start, heads, hd, 2 * hd, c.rotary_dim, eps)
+        k = gb.qk_norm_rope(k, a.k_norm, self.inv_freq, rows.rope_start, kv, hd, hd, c.rotary_dim, eps)
+        index_q = gb.qk_norm_rope(index_qk, ix.q_norm, self.inv_freq, rows.rope_start, ix.heads, d, d, c.rotary_dim, eps)
+        v = v.reshape(T, kv, hd)
+
+        def pool(first_block: int, n: int) -> None:
+            gb.pool_index_blocks(cache, first_block, n, ix.k_norm, self.inv_freq, c.rotary_dim, rows.rope_offset, eps)
+
+        parts = []
+        for piece, start, past in rows.slices():
+            cache.kv.append(k[piece], v[piece], start)
+            cache.append_index_keys(index_qk[piece, ix.heads * d:], past, pool)
+            selected, counts = gb.qsa_select(index_q[piece], cache.blocks, start, past, ix.ratio, ix.top_blocks)
+            parts.append(gb.attend_selected(q[piece], cache.kv, start, selected, counts))
+        return gb.attention_gate(_joined(parts), q_and_gate, hd)
 
 
 def _joined(parts: list) -> cp.ndarray:
@@ -332,6 +390,8 @@ def capturable(model) -> bool:
 
 # ----------------------------------------------------------------------------- state ---
 
+ATTENTION_CACHES = (gb.KVCache, gb.Q4KVCache, gb.IndexedKVCache)  # cut back by their length; the other states keep rows
+
 class GpuState:
     """engine.cache.SequenceState on the device: a cache per layer, the token count, what the
     captured cycles read (`inputs` int32 [1 + MAX_ROWS]: the position of row 0, then the tokens of a
@@ -346,7 +406,7 @@ class GpuState:
         self.graphs_version = -1  # the GpuOps.version the graphs were captured with
 
     def attention_caches(self) -> list:
-        return [c for c in self.layers if not isinstance(c, gb.DeltaNetState)]
+        return [c for c in self.layers if isinstance(c, ATTENTION_CACHES)]
 
     def reserve(self, rows: int) -> None:
         """Room for `rows` positions in every attention cache; moved arrays void the graphs."""
@@ -362,7 +422,7 @@ class GpuState:
         """Roll back the last short call to its first `rows` rows (engine.cache.SequenceState.keep)."""
         end = self.length_before_last_call + rows
         for cache in self.layers:
-            if isinstance(cache, gb.DeltaNetState):
+            if not isinstance(cache, ATTENTION_CACHES):  # DeltaNet states (with a PLE's, engine.cache.WithPLE)
                 cache.keep(rows)
         self.length = end
         self._sync_caches()

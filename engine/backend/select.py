@@ -42,11 +42,17 @@ def backend_name(requested: str = "auto") -> str:
 
 def gpu_geometry_problem(config) -> str | None:
     """Why our GPU kernels cannot run a model of this geometry (one line), or None when they can."""
-    if config.flash is not None:
-        return "Flash-Next (qwen4_exp): its hyper-connections, n-gram tables and QSA run on the CPU for now"
     if config.head_dim not in (64, 128, 256):
         return f"attention head_dim {config.head_dim} (the kernels take 64, 128 or 256)"
     if config.linear_key_head_dim not in (32, 64, 128) or config.linear_value_head_dim % 32:
         return (f"DeltaNet key/value head dims {config.linear_key_head_dim}/{config.linear_value_head_dim} "
                 "(the kernels take keys of 32, 64 or 128 and values in multiples of 32)")
+    flash = config.flash
+    if flash is not None and (flash.indexer_head_dim % 32 or not 32 <= flash.indexer_head_dim <= 256):
+        return f"QSA indexer head_dim {flash.indexer_head_dim} (the kernels take multiples of 32 up to 256)"
+    if flash is not None and flash.block_topk > QSA_MAX_TOP:
+        return f"QSA keeping {flash.block_topk} blocks a query (the kernels keep up to {QSA_MAX_TOP})"
     return None
+
+
+QSA_MAX_TOP = 1024  # engine/kernels/flash_next.cu's QSA_MAX_TOP: the top blocks a row keeps

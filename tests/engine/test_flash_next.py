@@ -15,11 +15,9 @@ import torch
 
 from conftest import add_random_flash_mtp_head, build_reference, save_reference
 from conftest import run_generate as run
-from duet.engine import DuetError, GenerateOptions, load_model
-from duet.engine.backend import select
+from duet.engine import GenerateOptions, load_model
 from duet.engine.config import ModelConfig
 from duet.engine.errors import CheckpointError
-from duet.engine.loader import choose_backend
 
 EOS = 2  # <|im_end|>, the n-gram history's stop (conftest.flash_fields)
 pytestmark = pytest.mark.usefixtures("stable_topk")  # QSA's tied block scores: the same pick on both sides
@@ -197,14 +195,6 @@ def test_bad_flash_next_configs_are_one_line(flash_dir, tmp_path, change, needle
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=needle):
         load_model(folder, tokenizer=False)
-
-
-def test_the_gpu_backend_leaves_flash_next_on_the_cpu(flash_dir, monkeypatch):
-    monkeypatch.setattr(select, "cuda_device_count", lambda: 1)  # as if a GPU were here
-    config = ModelConfig.from_file(flash_dir / "config.json")
-    assert choose_backend(config, flash_dir, "auto") == "cpu"
-    with pytest.raises(DuetError, match="Flash-Next .* run on the CPU for now; unset DUET_BACKEND"):
-        choose_backend(config, flash_dir, "cupy")
 
 
 def test_a_converted_int4_file_keeps_the_tables_and_constants_and_runs(tmp_path):
