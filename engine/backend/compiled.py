@@ -1072,6 +1072,33 @@ def rms_norm_rows(x, weight, eps, out):
 
 
 @_jit(fastmath=True)
+def norm_rope_rows(x, heads, weight, eps, start, inv_freq, out):
+    """Gated attention's query or key heads for the rows of a decode or verify pass, normed and
+    rotated in one pass (numpy's two norms, rope_tables and two apply_rope took ~25 us a layer):
+    x [T * heads, >= hd], head m of token m // heads in row m (its first hd values: a query beside
+    its gate, or a key); out [T * heads, hd] = x[m, :hd] * rsqrt(mean(x^2) + eps) * weight (the
+    zero-centred norm's 1 + w), then NeoX rotate-half on pairs (i, i + half), i < half =
+    len(inv_freq), by the fp32 angle (start + t) * inv_freq[i] as cpu_ops.rope_tables forms it, its
+    cosine and sine rounded from float64. A row's bits depend on its own values and position only."""
+    M, hd = out.shape
+    half = inv_freq.shape[0]
+    for m in range(M):
+        total = np.float32(0)
+        for d in range(hd):
+            total += x[m, d] * x[m, d]
+        scale = np.float32(1) / np.sqrt(total / np.float32(hd) + eps)
+        for d in range(hd):
+            out[m, d] = x[m, d] * scale * weight[d]
+        position = np.float32(start + m // heads)
+        for i in range(half):
+            angle = np.float64(position * inv_freq[i])
+            cos, sin = np.float32(np.cos(angle)), np.float32(np.sin(angle))
+            first, second = out[m, i], out[m, i + half]
+            out[m, i] = first * cos - second * sin
+            out[m, i + half] = second * cos + first * sin
+
+
+@_jit(fastmath=True)
 def swiglu_rows(gate_up, out, lo, hi):
     """out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate features, then up features), token
     rows [lo, hi): a verify pass's few rows, or a prefill's, split between the cores (the gate/up
@@ -1723,6 +1750,7 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
                                                        np.zeros((2, 4, 4), np.float32), np.zeros((1, 2, 4, 4), np.float32),
                                                        np.zeros((1, 2, 4), np.float32)), 2, split=False))
     steps.append(lambda: rms_norm_rows(rows, vector, np.float32(1e-6), rows.copy()))
+    steps.append(lambda: norm_rope_rows(rows, 1, vector, np.float32(1e-6), 0, np.ones(1, np.float32), rows.copy()))
     steps.append(lambda: split_kernel(swiglu_rows, (np.zeros((1, 4), np.float32), rows.copy()), 1, split=False))
     steps.append(lambda: conv_rows(np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32), rows.copy()))
     steps.append(lambda: attend_rows(np.zeros((1, 2, 4), np.float32), np.zeros((1, 4, 4), np.float32),

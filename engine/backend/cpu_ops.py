@@ -11,6 +11,8 @@ Math: REFERENCE.md section 1.
 
 from __future__ import annotations
 
+import functools
+
 from contextlib import nullcontext
 
 import numpy as np
@@ -97,10 +99,15 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
+@functools.cache
+def rope_frequencies(rotary_dim: int, theta: float) -> np.ndarray:
+    """inv_freq = theta^(-2i / rotary_dim), fp32 [rotary_dim / 2]; one array every call shares (never written)."""
+    return 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim)
+
+
 def rope_tables(positions: np.ndarray, rotary_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [T, rotary_dim / 2], inv_freq = theta^(-2i / rotary_dim)."""
-    inv_freq = 1.0 / theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim)
-    angles = positions[:, None].astype(np.float32) * inv_freq[None, :]
+    """cos/sin [T, rotary_dim / 2] of the fp32 angles position * inv_freq."""
+    angles = positions[:, None].astype(np.float32) * rope_frequencies(rotary_dim, theta)[None, :]
     return np.cos(angles), np.sin(angles)
 
 
@@ -386,11 +393,14 @@ class CpuOps:
         T, heads, kv_heads, hd = k.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
         q_and_gate = q_and_gate.reshape(T - first, heads, 2 * hd)
         q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(T - first, heads * hd)
-        q = self.rms_norm(q, layer.q_norm, c.rms_norm_eps)
-        k = self.rms_norm(k.reshape(T, kv_heads, hd), layer.k_norm, c.rms_norm_eps)
+        if T <= MAX_ROWS and self.compiled_steps:
+            q, k = self._norm_rope(layer, q_and_gate, k, start, first)
+        else:
+            q = self.rms_norm(q, layer.q_norm, c.rms_norm_eps)
+            k = self.rms_norm(k.reshape(T, kv_heads, hd), layer.k_norm, c.rms_norm_eps)
+            cos, sin = rope_tables(np.arange(start, start + T), c.rotary_dim, c.rope_theta)
+            q, k = apply_rope(q, cos[first:], sin[first:]), apply_rope(k, cos, sin)
         v = v.reshape(T, kv_heads, hd)
-        cos, sin = rope_tables(np.arange(start, start + T), c.rotary_dim, c.rope_theta)
-        q, k = apply_rope(q, cos[first:], sin[first:]), apply_rope(k, cos, sin)
         k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [kv, T, hd]
         past = cache.length
         if T <= MAX_ROWS:  # each row exactly as its own decode step would compute it
@@ -409,6 +419,20 @@ class CpuOps:
 
             in_parallel(kv_groups, kv_heads)
         return out * sigmoid(gate)
+
+    @staticmethod
+    def _norm_rope(layer, q_and_gate: np.ndarray, k: np.ndarray, start: int, first: int) -> tuple[np.ndarray, np.ndarray]:
+        """q [T - first, heads, hd] and k [T, kv, hd] normed and rotated in one compiled pass each
+        (compiled.norm_rope_rows) from q_and_gate [T - first, heads, 2 hd] and k [T, kv * hd]."""
+        c = layer.config
+        hd, eps, inv_freq = c.head_dim, np.float32(c.rms_norm_eps), rope_frequencies(c.rotary_dim, c.rope_theta)
+        q = np.empty((q_and_gate.shape[0], c.num_attention_heads, hd), np.float32)
+        compiled.norm_rope_rows(np.ascontiguousarray(q_and_gate, np.float32).reshape(-1, 2 * hd), c.num_attention_heads,
+                                layer.q_norm, eps, start + first, inv_freq, q.reshape(-1, hd))
+        keys = np.empty((k.shape[0], c.num_key_value_heads, hd), np.float32)
+        compiled.norm_rope_rows(np.ascontiguousarray(k, np.float32).reshape(-1, hd), c.num_key_value_heads,
+                                layer.k_norm, eps, start, inv_freq, keys.reshape(-1, hd))
+        return q, keys
 
     def _attend_rows(self, q: np.ndarray, cache, past: int, first: int, T: int) -> np.ndarray:
         """Rows [first, T) of a decode or verify pass against the cache (which holds them already)."""

@@ -79,6 +79,39 @@ def test_rms_norm_rows_within_the_bound_of_float64(D):
     np.testing.assert_array_less(np.abs(got - want), (D / 2 + 5) * U * np.abs(want) + 1e-37)
 
 
+def test_norm_rope_rows_within_the_bound_of_float64():
+    """compiled.norm_rope_rows: each head's first hd values (a query beside its gate here) normed, then
+    rotated at its token's position, against float64 formulas of REFERENCE.md's zero-centred norm and
+    NeoX rotate-half (pairs i, i + 8 of 16 rotated dims) at the same fp32 angles; a token's rows alone
+    give the bits they get among others. Bound: the norm's (hd / 2 + 5) U relative, then a rotated
+    value a cos - b sin adds 4 U of |a| + |b| (cos and sin rounded, two products and a sum)."""
+    from duet.engine.backend.cpu_ops import rope_frequencies
+
+    rng = np.random.default_rng(5)
+    T, heads, hd, width, start = 5, 3, 64, 128, 1000
+    x = (rng.standard_normal((T * heads, width)) * rng.uniform(0.01, 100, (T * heads, 1))).astype(np.float32)
+    weight = rng.standard_normal(hd).astype(np.float32)
+    inv_freq = rope_frequencies(16, 1e7)
+    eps = np.float32(1e-6)
+    got = np.empty((T * heads, hd), np.float32)
+    compiled.norm_rope_rows(x, heads, weight, eps, start, inv_freq, got)
+    for t in range(T):
+        alone = np.empty((heads, hd), np.float32)
+        compiled.norm_rope_rows(x[t * heads : (t + 1) * heads], heads, weight, eps, start + t, inv_freq, alone)
+        np.testing.assert_array_equal(alone, got[t * heads : (t + 1) * heads])
+    x64 = x[:, :hd].astype(np.float64)
+    normed = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + float(eps)) * weight
+    positions = np.repeat(np.arange(start, start + T, dtype=np.float32), heads)
+    angles = (positions[:, None] * inv_freq[None, :]).astype(np.float64)  # the fp32 angles the kernel forms
+    a, b = normed[:, :8], normed[:, 8:16]
+    want = np.concatenate([a * np.cos(angles) - b * np.sin(angles), b * np.cos(angles) + a * np.sin(angles), normed[:, 16:]], axis=1)
+    norm_bound = (hd / 2 + 5) * U
+    pair = np.concatenate([np.abs(a) + np.abs(b)] * 2, axis=1)
+    bound = np.concatenate([(norm_bound + 4 * U) * pair, norm_bound * np.abs(normed[:, 16:])], axis=1)
+    np.testing.assert_array_less(np.abs(got - want), bound + 1e-37)
+    assert not np.array_equal(got[:, :16], normed[:, :16].astype(np.float32))  # rotated indeed
+
+
 def test_swiglu_rows_within_the_bound_of_float64():
     rng = np.random.default_rng(3)
     gate_up = (rng.standard_normal((16, 2 * 300)) * 6).astype(np.float32)
