@@ -959,16 +959,6 @@ def _w4a16_lanes(nibbles, scales, x, out, lo, hi):
 
 
 @_jit()
-def _widen_lanes(lanes, wide):
-    """wide[k, b * 32 + r] = the fp32 bits of bf16 lanes[b, k, r] (exact): the blocks given side by
-    side as one [K, 32 * blocks] operand, W^T's columns for those rows, each copied run 32 long."""
-    for b in range(lanes.shape[0]):
-        for k in range(lanes.shape[1]):
-            for r in range(32):
-                wide[k, b * 32 + r] = np.uint32(lanes[b, k, r]) << np.uint32(16)
-
-
-@_jit()
 def _widen_bf16(bits, wide):
     """wide[:rows] = bf16 bits [rows, K] moved to the top half of uint32s: the fp32 values, exactly
     (numpy's two-pass widening took ~40% of a bf16 prefill's products)."""
@@ -1545,7 +1535,7 @@ class W4A16Lanes(cpu.Linear):
     r + 16's high; rows past N level 0), their scales [B, K / 128, 32], so _w4a16_lanes's vectors
     take a block's 32 levels from one 16-byte load: the planes' loops (_w4a16_nibbles) ran a
     1024 x 1024 product at 460 us a token row on one core. Every row computes the same way whatever
-    rows run beside it; a prefill runs in tiles of MAX_ROWS rows."""
+    rows run beside it, a prefill's too (all rows on a pair of blocks before the next: one weight read)."""
 
     route = "w4a16"
 
@@ -1593,10 +1583,7 @@ class W4A16Lanes(cpu.Linear):
         x = round_to_bf16(np.ascontiguousarray(x, dtype=np.float32))
         blocks = self.nibbles.shape[0]
         out = np.empty((x.shape[0], blocks * 32), np.float32)
-        for t0 in range(0, x.shape[0], MAX_ROWS):
-            rows = x[t0 : t0 + MAX_ROWS]
-            split_kernel(_w4a16_lanes, (self.nibbles, self.scales, rows, out[t0 : t0 + MAX_ROWS]), blocks,
-                         split=N * K * rows.shape[0] >= SPLIT_MIN_PRODUCTS)
+        split_kernel(_w4a16_lanes, (self.nibbles, self.scales, x, out), blocks, split=N * K * x.shape[0] >= SPLIT_MIN_PRODUCTS)
         return out if N == blocks * 32 else np.ascontiguousarray(out[:, :N])
 
 
@@ -1628,11 +1615,13 @@ class DenseLinear(cpu.DenseLinear):
 
 class BF16Linear(cpu.Linear):
     """`bf16` route on a bf16 checkpoint's matrix kept as its bits (BF16Matrix): half the memory of
-    an fp32 copy and half the bytes a pass reads. Up to MAX_ROWS rows in one weight read, each row's
-    bits as when alone: on AVX-512 (bf16_dot_kernels' "avx512") the rows are laid 32 side by side at
-    each input (lanes [B, K, 32], rows past N zero) for _bf16_lanes, else kept as they are for
-    _dense_bf16. Prefill through BLAS on blocks of WIDEN_ROWS weight rows widened as they are used,
-    each core taking its share of the rows."""
+    an fp32 copy and half the bytes a pass reads. On AVX-512 (bf16_dot_kernels' "avx512") the rows
+    are laid 32 side by side at each input (lanes [B, K, 32], rows past N zero) for _bf16_lanes,
+    which runs every token row, a prefill's too, on a pair of blocks before the next: one weight read
+    a call, each row's bits as when alone, at the cores' multiply-add peak (widening the weights to
+    fp32 for BLAS took 3-6x as long at 25 to 512 rows). Else the bits are kept as they are for
+    _dense_bf16 up to MAX_ROWS rows, a prefill through BLAS on blocks of WIDEN_ROWS weight rows
+    widened as they are used, each core taking its share of the rows."""
 
     route = "bf16"
     WIDEN_ROWS = 256  # weight rows widened at a time in a prefill: 1 MB of fp32 at K = 1024
@@ -1681,16 +1670,14 @@ class BF16Linear(cpu.Linear):
     def __call__(self, x: np.ndarray) -> np.ndarray:
         N, K = self.shape
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.shape[0] <= MAX_ROWS and self.lanes is None:
-            return _dense_rows(_dense_bf16, self.bits, x)
-        if x.shape[0] <= MAX_ROWS:
+        if self.lanes is not None:
             blocks = self.lanes.shape[0]
             out = np.empty((x.shape[0], blocks * 32), np.float32)
             split_kernel(_bf16_lanes, (self.lanes, x, out), blocks, split=N * K * x.shape[0] >= SPLIT_MIN_PRODUCTS)
             return out if N == blocks * 32 else np.ascontiguousarray(out[:, :N])
+        if x.shape[0] <= MAX_ROWS:
+            return _dense_rows(_dense_bf16, self.bits, x)
         out = np.empty((x.shape[0], N), np.float32)
-        if self.lanes is not None:
-            return self._prefill_from_lanes(x, out)
         by_weight_row = np.empty((N, x.shape[0]), np.float32)
 
         def weight_rows(lo: int, hi: int) -> None:  # W @ x^T, as cpu.DenseLinear's prefill (its faster order)
@@ -1702,26 +1689,6 @@ class BF16Linear(cpu.Linear):
                 cpu.copy_transposed(out[:, start:stop], by_weight_row[start:stop])
 
         in_parallel(weight_rows, N)
-        return out
-
-    def _prefill_from_lanes(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """x @ W^T for a prefill, WIDEN_ROWS weight rows at a time: their lanes widen into one
-        [K, WIDEN_ROWS] operand (runs of 32 copied as they lie), whose product with x is already
-        token-major; each core takes its share of the blocks."""
-        N, K = self.shape
-        per_widen = self.WIDEN_ROWS // 32
-
-        def blocks(lo: int, hi: int) -> None:
-            wide = np.empty((K, self.WIDEN_ROWS), np.uint32)  # in L2: widened, used, overwritten
-            part = np.empty((x.shape[0], self.WIDEN_ROWS), np.float32)
-            for first in range(lo, hi, per_widen):
-                last = min(hi, first + per_widen)
-                columns = min(N, last * 32) - first * 32
-                _widen_lanes(self.lanes[first:last], wide)
-                np.matmul(x, wide[:, :columns].view(np.float32), out=part[:, :columns])
-                out[:, first * 32 : first * 32 + columns] = part[:, :columns]
-
-        in_parallel(blocks, self.lanes.shape[0])
         return out
 
 
