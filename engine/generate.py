@@ -19,7 +19,7 @@ from duet.engine.errors import DuetError
 from duet.engine.experts import check_moe_skip
 from duet.engine.loader import LoadedModel
 from duet.engine.sampling import Sampler, SamplingParams, process_rows
-from duet.engine.speculative import EXACT, Depth, accept, check_rule, make_drafter
+from duet.engine.speculative import EXACT, Depth, accept, check_rule, draft_costs, make_drafter
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class GenerateOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     context: int | None = None  # token budget for prompt + reply; None: the model's maximum
     draft: str = "auto"  # auto (MTP when the checkpoint has it, else n-gram), mtp, ngram, none
-    depth: int | None = None  # drafts per cycle; None: adaptive
+    depth: int | None = None  # drafts per cycle; None: adaptive (engine/speculative.py's Depth)
     accept: str = EXACT  # exact or lossy; the starting value of Switches.accept
     kv: KVCache = KVCache.BF16  # attention KV cache: unquantized, or q4 (Hadamard-rotated 4-bit, exact sink/recent)
     moe_skip: float = 0.0  # MoE: router weight of off-card routes a row may skip, lossy cycles only (engine/experts.py)
@@ -203,7 +203,7 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
                         "shorten the prompt or raise --context")
     model, sampler = lm.model, Sampler(options.sampling)
     drafter = drafter or make_drafter(options.draft, model)
-    depth = Depth(drafter, options.depth)
+    depth = Depth(drafter, options.depth, draft_costs(drafter, lm))
     switches = switches or Switches(options.accept)
     decoder = lm.tokenizer.stream_decoder()
     stats = Stats(prompt_tokens=len(prompt_ids))

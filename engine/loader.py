@@ -5,6 +5,8 @@ A model folder or GGUF file becomes weights in memory, a tokenizer and a config,
 
 from __future__ import annotations
 
+import functools
+
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +55,17 @@ class LoadedModel:
     weights: ModelWeights | None = field(default=None, repr=False)  # kept when there is another route to build
     host_tables: bool = False  # the head ranks with an int4 copy and rescores with bf16 rows (engine/heads.py)
     expert_bytes: int = 0  # one routed expert of one layer, as stored (0: not a MoE)
+
+    @functools.cached_property
+    def mtp_draft_share(self) -> float:
+        """What an MTP draft reads (its layer and the draft head) over what a decode pass reads, by
+        placement's bill of bytes: a draft's cost in decode steps where passes are bound by reading
+        weights. Depth (engine/speculative.py) weighs drafts with it."""
+        from duet.engine.checkpoint.headers import read_headers
+        from duet.engine.placement import bill_of_bytes, weights_of
+
+        weights = weights_of(read_headers(str(self.path)), w4=False)
+        return bill_of_bytes(weights, self.config, depth=1).drafting / bill_of_bytes(weights, self.config).verify_pass
 
     @property
     def routed_experts(self) -> int:

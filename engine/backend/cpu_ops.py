@@ -278,6 +278,10 @@ class CpuOps:
     (decided once: the check reads the environment, ~1 us, which ~150 steps a verify cycle would pay
     each time)."""
 
+    # A verify row's extra time in decode steps (engine/speculative.py's Depth). On two cores a 5-row
+    # verify of the demo took 1.29-1.39 decode steps (compiled kernels: one weight read for all rows).
+    VERIFY_ROW_COST = 0.1
+
     def __init__(self, compiled_steps: bool | None = None):
         self.compiled_steps = compiled.unavailable() is None if compiled_steps is None else compiled_steps
 

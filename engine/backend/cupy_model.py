@@ -43,6 +43,7 @@ import cupy as cp
 import numpy as np
 
 from duet.engine.backend import cpu
+from duet.engine.backend.cpu_ops import rope_frequencies
 from duet.engine.backend import cupy_backend as gb
 from duet.engine.backend.cupy_backend import ATTENTION_CHUNK, MAX_ROWS
 from duet.engine.cache import PLEState
@@ -157,10 +158,13 @@ class GpuOps:
     since (loaded, cuBLAS set up); `graphable` turns capture off (a refused capture sets it, with
     `graph_error` saying why)."""
 
+    # A verify row's extra time in decode steps (engine/speculative.py's Depth): the W4 kernels read the
+    # weights once for up to 16 rows. The seed's 3090 ran an 8-row cycle of a 7-token drafter in 1.23
+    # decode steps, drafter included (REFERENCE.md section 6: 5.9 tokens at 276.7 tok/s against 57.8).
+    VERIFY_ROW_COST = 0.03
+
     def __init__(self, config: ModelConfig):
-        # engine.backend.cpu_ops.rope_tables' inv_freq, the same fp32 expression
-        self.inv_freq = _dev(1.0 / config.rope_theta ** (np.arange(0, config.rotary_dim, 2, dtype=np.float32)
-                                                          / config.rotary_dim))
+        self.inv_freq = _dev(rope_frequencies(config.rotary_dim, config.rope_theta))  # the CPU's fp32 inv_freq
         self.version = 0
         self.warm: set[int] = set()
         self.graphable = True

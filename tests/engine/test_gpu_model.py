@@ -31,6 +31,7 @@ from simulated_device import cupy_fixture
 
 from duet.engine import DuetError, GenerateOptions, SamplingParams, Switches, Tokens, generate, load_model
 from duet.engine.backend import select
+from duet.engine.backend.cpu_ops import CpuOps
 from duet.engine.backend.cupy_model import CycleGraph, GpuOps
 from duet.engine.tokenizer import Tokenizer
 
@@ -48,10 +49,14 @@ def models() -> dict[str, Path]:
 
 
 def load(path, route: str, backend: str, monkeypatch, **options):
+    """The model on a backend. Its op set's verify-row cost is the CPU's: the adaptive depth weighs
+    drafts by it, and a reply here is compared with the CPU's drafted alike (a verify of other rows
+    may sum bf16 products in another order, enough to turn a near tie)."""
     monkeypatch.setenv("DUET_BACKEND", backend)
     lm = load_model(path, route=route, **options)
     monkeypatch.delenv("DUET_BACKEND")
     assert isinstance(lm.model.ops, GpuOps) == (backend == "cupy")
+    monkeypatch.setattr(lm.model.ops, "VERIFY_ROW_COST", CpuOps.VERIFY_ROW_COST)
     return lm
 
 

@@ -524,6 +524,7 @@ def test_residual_without_positive_part_falls_back_to_p():
 # ---------------------------------------------------------------------------------------------
 # Drafters, depth and the rule's name, each against a plain restatement of its definition
 
+from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 import zlib  # noqa: E402
 
@@ -535,12 +536,16 @@ from duet.engine.choices import Draft as DraftChoice  # noqa: E402
 from duet.engine.errors import DuetError  # noqa: E402
 from duet.engine.speculative import (  # noqa: E402
     Depth,
+    DraftCosts,
     MTPDrafter,
     NgramDrafter,
     NoDrafter,
     check_rule,
+    draft_costs,
     make_drafter,
 )
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
 
 
 def lookup_reference(history: list[int], k: int) -> list[int]:
@@ -736,20 +741,30 @@ def test_each_drafter_states_its_word_cap_and_needs():
 
 
 class DepthReference:
-    """Depth restated: fixed, or adaptive in [1, cap] starting at min(3, cap) (`duet models plan`:
-    "default: 3 with an MTP head"), one deeper after a cycle that kept every draft, one shallower
-    after one that kept none; cycles that drafted nothing change nothing."""
+    """Depth restated: fixed, or adaptive in [1, cap]. Per draft position a rate, 0.8 at first, moved
+    1/8 of the way to 1 (kept) or 0 (not) by each cycle that kept the drafts before it; the depth is
+    the d whose expected tokens a cycle, 1 + the sum over i <= d of the rates' running products,
+    divided by its cost in decode steps, 1 + per_cycle + d * per_draft, is largest (the first such d);
+    cycles that drafted nothing change nothing."""
 
-    def __init__(self, cap: int, fixed: int | None):
-        self.cap, self.fixed = cap, fixed
-        self.current = fixed if fixed is not None else min(3, cap)
+    def __init__(self, cap: int, fixed: int | None, per_draft: float = 0.0, per_cycle: float = 0.0):
+        self.cap, self.fixed, self.per_draft, self.per_cycle = cap, fixed, per_draft, per_cycle
+        self.rates = [0.8] * cap
+        self.current = fixed if fixed is not None else self.best()
+
+    def best(self) -> int:
+        if not self.cap:
+            return 0
+        values = [(1 + sum(np.prod(self.rates[:i]) for i in range(1, d + 1))) / (1 + self.per_cycle + d * self.per_draft)
+                  for d in range(1, self.cap + 1)]
+        return 1 + int(np.argmax(values))
 
     def update(self, drafted: int, accepted: int) -> None:
         if self.fixed is None and drafted:
-            if accepted == drafted:
-                self.current = min(self.cap, self.current + 1)
-            elif accepted == 0:
-                self.current = max(1, self.current - 1)
+            for i in range(drafted):
+                if i <= accepted:  # the drafts before it were kept: this cycle judged draft i
+                    self.rates[i] = self.rates[i] + ((1.0 if i < accepted else 0.0) - self.rates[i]) / 8
+            self.current = self.best()
 
 
 @pytest.mark.parametrize("cap", [0, 1, 2, 4, 7])
@@ -760,15 +775,50 @@ def test_depth_matches_its_definition(cap, fixed):
         with pytest.raises(DuetError, match=rf"^--depth must be between 1 and {cap} for cap{cap} drafts \(got {fixed}\)$"):
             Depth(drafter, fixed)
         return
-    depth, reference = Depth(drafter, fixed), DepthReference(cap, fixed)
-    assert (depth.cap, depth.fixed, depth.current) == (cap, fixed, reference.current)
     rng = np.random.default_rng([cap, 1 + (fixed or 0) + 1])
-    for _ in range(300):
-        drafted = int(rng.integers(0, max(reference.current, 0) + 1))
-        accepted = int(rng.choice([0, drafted, rng.integers(0, drafted + 1)]))
-        depth.update(drafted, accepted)
-        reference.update(drafted, accepted)
-        assert depth.current == reference.current
+    for per_draft, per_cycle in ((0.0, 0.0), (0.1, 0.0), (0.39, 0.29), (1.5, 0.5)):
+        costs = DraftCosts(per_draft, per_cycle)
+        depth, reference = Depth(drafter, fixed, costs), DepthReference(cap, fixed, per_draft, per_cycle)
+        assert (depth.cap, depth.fixed, depth.current) == (cap, fixed, reference.current)
+        keep = rng.uniform(0.3, 1.0)  # this run's chance that a draft is kept
+        for _ in range(300):
+            drafted = int(rng.integers(0, max(reference.current, 0) + 1))
+            accepted = 0
+            while accepted < drafted and rng.random() < keep:
+                accepted += 1
+            depth.update(drafted, accepted)
+            reference.update(drafted, accepted)
+            assert depth.current == reference.current
+
+
+def test_the_adaptive_depth_follows_acceptance_and_cost():
+    """Drafts kept every time and cheap: the cap. Drafts never kept: one (a cycle drafts at least one,
+    to keep judging). A cost above what even kept drafts repay: one. The prior with the demo's MTP
+    costs (an MTP draft reads 0.29 of a decode pass; a CPU verify row 0.1): three."""
+    drafter = SimpleNamespace(depth_cap=4, name="mtp")
+    assert Depth(drafter, None, DraftCosts(0.39, 0.29)).current == 3
+    for costs, accepted, want in ((DraftCosts(0.1), 1.0, 4), (DraftCosts(0.1), 0.0, 1), (DraftCosts(1.2, 0.3), 1.0, 1)):
+        depth = Depth(drafter, None, costs)
+        for _ in range(60):
+            depth.update(depth.current, round(accepted * depth.current))
+        assert depth.current == want, (costs, accepted)
+
+
+def test_draft_costs_weigh_an_mtp_draft_by_the_bytes_it_reads():
+    """On the demo model: a verify row costs what the CPU op set states; an MTP draft and the commit
+    pass what placement's bill says an MTP pass reads of a decode pass's bytes (its layer and the
+    4,096-row head it shares: between a quarter and a third here); n-gram drafts only their row."""
+    from duet.engine import load_model
+    from duet.engine.checkpoint.headers import read_headers
+    from duet.engine.placement import bill_of_bytes, weights_of
+
+    lm = load_model(MODELS / "demo")
+    weights = weights_of(read_headers(str(MODELS / "demo")), w4=False)
+    share = bill_of_bytes(weights, lm.config, depth=1).drafting / bill_of_bytes(weights, lm.config).verify_pass
+    assert lm.mtp_draft_share == share and 0.25 < share < 0.33
+    row = lm.model.ops.VERIFY_ROW_COST
+    assert draft_costs(MTPDrafter(lm.model), lm) == DraftCosts(per_draft=share + row, per_cycle=share)
+    assert draft_costs(NgramDrafter(), lm) == DraftCosts(per_draft=row)
 
 
 def test_check_rule_takes_the_two_rule_words():
