@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one short run that fits a 15-minute GPU window with room for a rerun (the stages'
-# limits add up to 8 minutes), on an NVIDIA machine with no network:
+# limits add up to 9 minutes), on an NVIDIA machine with no network:
 #   bash scripts/gpu_check.sh OUT_DIR          (on the device machine: bash scripts/gpu_check.sh "$OUT")
 #
 # Stages, each with its own time limit, its log written to OUT_DIR/<stage>.log as it runs and its
@@ -9,6 +9,7 @@
 #   compile   every kernel compiled for sm_86 and sm_90 (register and spill report)
 #   kernels   the kernels against the CPU numerics
 #   model     the GPU model against the CPU engine; graphs against uncaptured passes
+#   flash     Flash-Next (qwen4_exp: hyper-connections, PLE, QSA) on the GPU against the CPU engine
 #   gemv      W4 GEMV bytes/s against copy bandwidth, 1 to 16 rows, both routes (duet bench gpu)
 #   cycle     decode cycle time against the bill of bytes, 27B geometry (duet bench gpu)
 #
@@ -86,6 +87,7 @@ stage setup 60 bash -c "$(declare -f setup); setup" || { echo "setup failed: not
 stage compile 60 "${pytest[@]}" tests/engine/test_kernels_compile.py
 stage kernels 90 "${pytest[@]}" tests/engine/test_gpu_kernels.py
 stage model 120 "${pytest[@]}" tests/engine/test_gpu_model.py tests/app/test_bench_gpu.py
+stage flash 60 "${pytest[@]}" tests/engine/test_gpu_flash_next.py
 stage gemv 60 "$PY" -m duet.app.cli bench gpu --table gemv --repeats 10
 stage cycle 90 "$PY" -m duet.app.cli bench gpu --table cycle --repeats 10
 echo "== done in ${SECONDS}s; $summary:"
