@@ -241,7 +241,7 @@ class Depth:
         self.current = self._best()
 
     def _best(self) -> int:
-        best, best_value, reach, tokens = min(1, self.cap), 0.0, 1.0, 1.0
+        best, best_value, reach, tokens = 0, 0.0, 1.0, 1.0  # depth 1 is always worth more than 0 here
         for d, rate in enumerate(self.rates, 1):
             reach *= rate
             tokens += reach

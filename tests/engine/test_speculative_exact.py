@@ -797,6 +797,10 @@ def test_the_adaptive_depth_follows_acceptance_and_cost():
     costs (an MTP draft reads 0.29 of a decode pass; a CPU verify row 0.1): three."""
     drafter = SimpleNamespace(depth_cap=4, name="mtp")
     assert Depth(drafter, None, DraftCosts(0.39, 0.29)).current == 3
+    free = Depth(drafter, None, DraftCosts())
+    free.rates[:] = [1.0, 0.5, 0.0, 0.0]  # drafts 3 and 4 would add nothing, even for free: not asked for
+    free.update(1, 1)
+    assert free.current == 2
     for costs, accepted, want in ((DraftCosts(0.1), 1.0, 4), (DraftCosts(0.1), 0.0, 1), (DraftCosts(1.2, 0.3), 1.0, 1)):
         depth = Depth(drafter, None, costs)
         for _ in range(60):
