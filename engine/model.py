@@ -136,10 +136,15 @@ class DecoderLayer:
     eps: float
     ops: object = CPU
 
-    def __call__(self, x, cache, pos, last_only: bool = False):
-        mixed = self.mixer(self.ops.rms_norm(x, self.input_norm, self.eps), cache, pos, last_only)
-        x = (x[-1:] if last_only else x) + mixed
-        return x + self.ffn(self.ops.rms_norm(x, self.post_norm, self.eps))
+    def __call__(self, x, delta, cache, pos, last_only: bool = False):
+        """The residual x [T, H] plus the layer before's output delta (None before the first layer)
+        through this layer: (the residual, this layer's output). Each residual add happens inside the
+        norm that follows it (ops.add_rms_norm: one pass, one kernel on the GPU), so this layer's output
+        is added by the next layer's input norm, or the final norm."""
+        x, normed = self.ops.add_rms_norm(x, delta, self.input_norm, self.eps)
+        mixed = self.mixer(normed, cache, pos, last_only)
+        x, normed = self.ops.add_rms_norm(x[-1:] if last_only else x, mixed, self.post_norm, self.eps)
+        return x, self.ffn(normed)
 
 
 @dataclass
@@ -209,10 +214,10 @@ class Model:
     def run_layers(self, x, caches: list, pos, last_only: bool = False, ids: np.ndarray | None = None):
         """Every layer over x [T, H] (embedded tokens) at position pos, then the final norm. ids: the
         tokens themselves, which these layers do not read (Flash-Next's n-gram layers do)."""
-        last = len(self.layers) - 1
+        last, delta = len(self.layers) - 1, None
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            x = layer(x, cache, pos, last_only and i == last)
-        return self.ops.rms_norm(x, self.norm, self.config.rms_norm_eps)
+            x, delta = layer(x, delta, cache, pos, last_only and i == last)
+        return self.ops.add_rms_norm(x, delta, self.norm, self.config.rms_norm_eps)[1]
 
     def logits(self, hidden) -> np.ndarray:
         """[T, V] fp32 on the host."""
@@ -236,6 +241,6 @@ class Model:
         e = ops.rms_norm(self.embed[ids], head.norm_embedding, eps)
         h = ops.rms_norm(hidden, head.norm_hidden, eps)
         x = head.fc(ops.concat([e, h], axis=-1))  # [T, 2H] -> [T, H], embedding first
-        x = head.layer(x, state.layers[0], ops.mtp_position(state, len(ids)))
+        x, delta = head.layer(x, None, state.layers[0], ops.mtp_position(state, len(ids)))
         state.advance(len(ids))
-        return ops.rms_norm(x, head.norm, eps)
+        return ops.add_rms_norm(x, delta, head.norm, eps)[1]

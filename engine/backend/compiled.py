@@ -1065,6 +1065,17 @@ def rms_norm_rows(x, weight, eps, out):
 
 
 @_jit(fastmath=True)
+def add_rms_norm_rows(x, delta, weight, eps, total, out):
+    """total = x + delta, then rms_norm_rows of it into out: a decoder layer's residual add and the
+    norm after it in one pass. x, delta, total, out [M, D]; weight [D]."""
+    M, D = x.shape
+    for m in range(M):
+        for d in range(D):
+            total[m, d] = x[m, d] + delta[m, d]
+    rms_norm_rows(total, weight, eps, out)
+
+
+@_jit(fastmath=True)
 def norm_rope_rows(x, heads, weight, eps, start, inv_freq, out):
     """Gated attention's query or key heads for the rows of a decode or verify pass, normed and
     rotated in one pass (numpy's two norms, rope_tables and two apply_rope took ~25 us a layer):
@@ -1720,6 +1731,7 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
                                                        np.zeros((2, 4, 4), np.float32), np.zeros((1, 2, 4, 4), np.float32),
                                                        np.zeros((1, 2, 4), np.float32)), 2, split=False))
     steps.append(lambda: rms_norm_rows(rows, vector, np.float32(1e-6), rows.copy()))
+    steps.append(lambda: add_rms_norm_rows(rows, rows, vector, np.float32(1e-6), rows.copy(), rows.copy()))
     steps.append(lambda: norm_rope_rows(rows, 1, vector, np.float32(1e-6), 0, np.ones(1, np.float32), rows.copy()))
     steps.append(lambda: split_kernel(swiglu_rows, (np.zeros((1, 4), np.float32), rows.copy()), 1, split=False))
     steps.append(lambda: conv_rows(np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32), rows.copy()))

@@ -368,6 +368,19 @@ class CpuOps:
         compiled.rms_norm_rows(rows, np.ascontiguousarray(weight, dtype=np.float32), np.float32(eps), out)
         return out.reshape(x.shape)
 
+    def add_rms_norm(self, x: np.ndarray, delta: np.ndarray | None, weight: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+        """(x + delta, its rms_norm): a residual add and the norm after it (engine/model.py's
+        DecoderLayer); delta None adds nothing."""
+        if delta is None:
+            return x, self.rms_norm(x, weight, eps)
+        if x.shape[0] > MAX_ROWS or not self.compiled_steps or x.ndim != 2 or weight.shape != x.shape[-1:]:
+            x = x + delta
+            return x, self.rms_norm(x, weight, eps)
+        total, out = np.empty(x.shape, np.float32), np.empty(x.shape, np.float32)
+        compiled.add_rms_norm_rows(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(delta, np.float32),
+                                   np.ascontiguousarray(weight, np.float32), np.float32(eps), total, out)
+        return total, out
+
     def swiglu(self, gate_up, x: np.ndarray) -> np.ndarray:
         """silu(gate) * up of gate_up(x) as [T, I] (gate rows then up rows). With the compiled steps,
         token-major through one compiled pass (rows split between the cores for a prefill). numpy's

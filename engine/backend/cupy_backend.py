@@ -242,6 +242,16 @@ def rms_norm(x, weight, eps: float) -> cp.ndarray:
     return y
 
 
+def add_rms_norm(x, delta, weight, eps: float) -> tuple[cp.ndarray, cp.ndarray]:
+    """(x + delta, rms_norm of it with weight [D]) over rows of D, in one kernel: the residual add of a
+    decoder layer and the norm that follows it."""
+    x, delta = _device_f32(x), _device_f32(delta)
+    D = x.shape[-1]
+    total, y = cp.empty_like(x), cp.empty_like(x)
+    kernel("norms", "add_rms_norm")((x.size // D,), (256,), (x, delta, _device_f32(weight), total, y, _i32(D), _f32(eps)))
+    return total, y
+
+
 def gated_rms_norm(x, z, weight, eps: float, sigmoid: bool = False) -> cp.ndarray:
     """DeltaNet's gated norm per value head: x [T, heads, D], z [T, heads * D] (rows may be wider:
     read in place) -> rms_norm(x, w) * silu(z) [T, heads * D]; sigmoid(z) with `sigmoid` (Flash-Next's gate)."""

@@ -294,6 +294,11 @@ class GpuOps:
 
     rms_norm = staticmethod(gb.rms_norm)
 
+    @staticmethod
+    def add_rms_norm(x: cp.ndarray, delta: cp.ndarray | None, weight, eps: float) -> tuple[cp.ndarray, cp.ndarray]:
+        """CpuOps.add_rms_norm: the residual add inside the norm's kernel (one launch, not two)."""
+        return (x, gb.rms_norm(x, weight, eps)) if delta is None else gb.add_rms_norm(x, delta, weight, eps)
+
     def sigmoid(self, x: cp.ndarray) -> cp.ndarray:
         return 1.0 / (1.0 + cp.exp(-x))
 

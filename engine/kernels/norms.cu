@@ -16,6 +16,24 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __
   for (int i = threadIdx.x; i < D; i += blockDim.x) y[(size_t)blockIdx.x * D + i] = row[i] / denom * weight[i];
 }
 
+// A decoder layer's residual add and the norm after it: sum = x + delta (the new residual), y =
+// sum / sqrt(mean(sum^2) + eps) * w, rows of D (w = 1 + weight). One pass instead of an add and a
+// norm: a launch less and the residual read once. Launch: grid R, block 256.
+extern "C" __global__ void add_rms_norm(const float* __restrict__ x, const float* __restrict__ delta,
+                                        const float* __restrict__ w, float* __restrict__ sum, float* __restrict__ y,
+                                        int D, float eps) {
+  __shared__ float scratch[WARP];
+  const size_t base = (size_t)blockIdx.x * D;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    const float v = x[base + i] + delta[base + i];
+    sum[base + i] = v;
+    ss += v * v;
+  }
+  const float denom = sqrtf(block_sum(ss, scratch) / (float)D + eps);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) y[base + i] = sum[base + i] / denom * w[i];
+}
+
 // DeltaNet's gated norm per value head: y = (x / sqrt(mean(x^2) + eps) * w) * gate(z), rows of D, the
 // gate silu (Qwen3.5) or sigmoid (Flash-Next's output_gate_type).
 // z is read in place from the in_proj output: row r (head r % heads of token r / heads) starts at

@@ -690,6 +690,13 @@ def rms_norm(grid, block, a):
         y[s::k] = cpu_ops.rms_norm(x[s::k], w[s], a.eps)
 
 
+def add_rms_norm(grid, block, a):
+    R, D = grid[0], int(a.D)  # a block per row
+    total = take(a.x, R, D) + take(a.delta, R, D)
+    take(a.sum, R, D)[...] = total
+    take(a.y, R, D)[...] = cpu_ops.rms_norm(total, take(a.w, D), a.eps)
+
+
 def gated_rms_norm(gate):
     def run(grid, block, a):
         R, D, heads = grid[0], int(a.D), int(a.heads)
@@ -982,7 +989,7 @@ TWINS = {
     **{f"sparse_attention_partial_{kind}_hd{hd}": sparse_attention_partial(kind, hd) for hd in (64, 128, 256)
        for kind in ("bf16", "q4", "exact")},
     "attention_combine": attention_combine, "kv_append_bf16": kv_append_bf16, "kv_append_q4": kv_append_q4,
-    "rms_norm": rms_norm, "gated_rms_norm": gated_rms_norm(cpu_ops.silu), "gated_rms_norm_sigmoid": gated_rms_norm(cpu_ops.sigmoid),
+    "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "gated_rms_norm": gated_rms_norm(cpu_ops.silu), "gated_rms_norm_sigmoid": gated_rms_norm(cpu_ops.sigmoid),
     "l2_norm_heads": l2_norm_heads, "qk_norm_rope": qk_norm_rope, "silu_mul": silu_mul, "attention_gate": attention_gate,
     "silu_div": silu_div, "hc_mix": hc_mix, "hc_inject": hc_inject, "ple_gate": ple_gate, "ple_conv": ple_conv,
     "index_pool": index_pool, "index_scores": index_scores, "qsa_select": qsa_select,

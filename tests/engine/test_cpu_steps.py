@@ -79,6 +79,25 @@ def test_rms_norm_rows_within_the_bound_of_float64(D):
     np.testing.assert_array_less(np.abs(got - want), (D / 2 + 5) * U * np.abs(want) + 1e-37)
 
 
+def test_add_rms_norm_rows_adds_the_residual_and_norms_the_sum():
+    """A decoder layer's residual add and the norm after it in one pass: the sum is x + delta in fp32
+    exactly as numpy adds it, the norm rms_norm_rows' of that sum, bit for bit; a row alone keeps its bits."""
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((16, 256)) * rng.uniform(0.01, 100, (16, 1))).astype(np.float32)
+    delta = rng.standard_normal((16, 256)).astype(np.float32)
+    weight = rng.standard_normal(256).astype(np.float32)
+    eps = np.float32(1e-6)
+    total, normed = np.empty_like(x), np.empty_like(x)
+    compiled.add_rms_norm_rows(x, delta, weight, eps, total, normed)
+    assert np.array_equal(total, x + delta)
+    want = np.empty_like(x)
+    compiled.rms_norm_rows(x + delta, weight, eps, want)
+    assert np.array_equal(normed, want)
+    alone_total, alone = np.empty((1, 256), np.float32), np.empty((1, 256), np.float32)
+    compiled.add_rms_norm_rows(x[5:6], delta[5:6], weight, eps, alone_total, alone)
+    assert np.array_equal(alone[0], normed[5])
+
+
 def test_norm_rope_rows_within_the_bound_of_float64():
     """compiled.norm_rope_rows: each head's first hd values (a query beside its gate here) normed, then
     rotated at its token's position, against float64 formulas of REFERENCE.md's zero-centred norm and
