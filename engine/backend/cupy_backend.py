@@ -273,18 +273,6 @@ def _rows(x) -> tuple[cp.ndarray, int]:
     return x, x.shape[1]
 
 
-def l2_norm_heads(x, heads: int, head_dim: int, scale: float = 1.0, offset: int = 0) -> cp.ndarray:
-    """Heads [T, heads, head_dim] starting at column `offset` of x [T, C], each L2-normalised
-    (eps 1e-6) and multiplied by scale -> compact [T, heads, head_dim]."""
-    x = _device_f32(x)
-    T = x.shape[0]
-    y = cp.empty((T, heads, head_dim), cp.float32)
-    block = 32 * _blocks(head_dim, 32)
-    kernel("norms", "l2_norm_heads")((T * heads,), (block,),
-                                     (x[:, offset:], y, _i32(heads), _i32(head_dim), _i64(x.shape[1]), _f32(scale)))
-    return y
-
-
 def qk_norm_rope(x, weight, inv_freq, start: cp.ndarray, heads: int, head_dim: int, head_stride: int,
                  rotary_dim: int, eps: float) -> cp.ndarray:
     """Attention q or k: per head zero-centred RMSNorm then partial NeoX RoPE at positions
@@ -346,27 +334,26 @@ def causal_conv(mixed, taps, state: DeltaNetState) -> cp.ndarray:
     return out
 
 
-def delta_rule_rows(q, k, v, b, a, decay_rate, dt_bias, state: DeltaNetState) -> cp.ndarray:
+def delta_rule_rows(qk, Hk: int, dk: int, v, b, a, decay_rate, dt_bias, state: DeltaNetState) -> cp.ndarray:
     """The gated delta rule row by row (T <= 16), S after every row kept in state.row_states.
 
-    q, k [T, Hk, dk] L2-normalised (q times dk^-0.5); v [T, Hv * dv]; b, a [T, Hv] raw in_proj_b/a
-    outputs (beta = sigmoid(b), g = decay_rate * softplus(a + dt_bias)); v, b and a may be columns
-    of wider rows, read in place (b and a of the same rows). Returns [T, Hv, dv].
+    qk [T, >= 2 Hk dk]: the conv output, its first Hk heads of dk the queries, the next Hk the keys,
+    raw: the kernel L2-normalises them (q also times dk^-0.5). v [T, Hv * dv]; b, a [T, Hv] raw
+    in_proj_b/a outputs (beta = sigmoid(b), g = decay_rate * softplus(a + dt_bias)); qk, v, b and a
+    may be columns of wider rows, read in place (b and a of the same rows). Returns [T, Hv, dv].
     """
-    q, k = _device_f32(q), _device_f32(k)
-    (v, v_stride), (b, ba_stride), (a, a_stride) = _rows(v), _rows(b), _rows(a)
+    (qk, qk_stride), (v, v_stride), (b, ba_stride), (a, a_stride) = _rows(qk), _rows(v), _rows(b), _rows(a)
     if a_stride != ba_stride:  # the kernel takes one stride for both: compact rows of each
         b, a, ba_stride = cp.ascontiguousarray(b), cp.ascontiguousarray(a), b.shape[1]
-    T, Hk, dk = q.shape
-    Hv = b.shape[1]
+    T, Hv = b.shape
     dv = v.shape[1] // Hv
     if dk not in (32, 64, 128) or dv % 32:
         raise ValueError(f"deltanet kernel takes key dims 32, 64, 128 and value dims of 32s, got {dk}, {dv}")
     out = cp.empty((T, Hv, dv), cp.float32)
     kernel("deltanet", f"deltanet_rows_dk{dk}")((Hv, dv // 32), (128,),
-                                               (q, k, v, b, a, _device_f32(decay_rate), _device_f32(dt_bias),
+                                               (qk, v, b, a, _device_f32(decay_rate), _device_f32(dt_bias),
                                                 state.recurrent, state.row_states, out, _i32(T), _i32(Hk), _i32(Hv), _i32(dv),
-                                                _i64(v_stride), _i64(ba_stride)))
+                                                _i64(qk_stride), _f32(dk ** -0.5), _i64(v_stride), _i64(ba_stride)))
     return out
 
 

@@ -332,10 +332,8 @@ class GpuOps:
         b, a = projected[:, -2 * hv : -hv], projected[:, -hv:]  # [T, Hv]
         parts = []
         for piece, _, _ in rows.slices():
-            conv = gb.causal_conv(mixed[piece], layer.conv, state)  # [t, channels] after SiLU
-            q = gb.l2_norm_heads(conv, hk, dk, dk ** -0.5)  # [t, Hk, dk]; value heads share them in the kernel
-            k = gb.l2_norm_heads(conv, hk, dk, 1.0, offset=hk * dk)
-            parts.append(gb.delta_rule_rows(q, k, conv[:, 2 * hk * dk:], b[piece], a[piece], layer.decay_rate,
+            conv = gb.causal_conv(mixed[piece], layer.conv, state)  # [t, channels] after SiLU: q | k | v
+            parts.append(gb.delta_rule_rows(conv, hk, dk, conv[:, 2 * hk * dk:], b[piece], a[piece], layer.decay_rate,
                                             layer.dt_bias, state))
         return gb.gated_rms_norm(_joined(parts), z, layer.norm, c.rms_norm_eps, sigmoid=c.output_gate != "silu")  # [T, Hv * dv]
 

@@ -29,8 +29,10 @@ extern "C" __global__ void causal_conv_silu(const float* __restrict__ mixed, con
 // Per value head h (key head h / (Hv / Hk), repeat-interleave) and row t:
 //   beta = sigmoid(b[t, h]);  g = decay_rate[h] * softplus(a[t, h] + dt_bias[h])
 //   S = e^g S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q
-// q, k [T, Hk, DK] are already L2-normalised (q also times DK^-0.5); v [T, Hv, DV] with row t at
-// v + t * v_stride, b and a [T, Hv] with row t at + t * ba_stride (all three read in place from wider
+// q and k are read raw from the conv output, row t at qk + t * qk_stride (key head hk's query at
+// column hk * DK, its key at (Hk + hk) * DK), and L2-normalised here (eps 1e-6; q also times q_scale =
+// DK^-0.5), as engine/backend/cpu_ops.l2_normalize: no launch of their own. v [T, Hv, DV] with row t
+// at v + t * v_stride, b and a [T, Hv] with row t at + t * ba_stride (all read in place from wider
 // rows: the conv output, the in_proj output); S [Hv, DK, DV] fp32, updated in place; snapshots
 // [T, Hv, DK, DV] receives S after every row; out [T, Hv, DV].
 //
@@ -40,13 +42,15 @@ extern "C" __global__ void causal_conv_silu(const float* __restrict__ mixed, con
 // shuffles. For a fixed register the warp touches 4 rows x 8 consecutive columns: whole 32-byte
 // sectors. Launch: grid (Hv, DV / 32), block 128.
 template <int DK>
-__device__ void deltanet_rows(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+__device__ void deltanet_rows(const float* __restrict__ qk_rows, const float* __restrict__ v,
                               const float* __restrict__ b, const float* __restrict__ a,
                               const float* __restrict__ decay_rate, const float* __restrict__ dt_bias,
                               float* __restrict__ state, float* __restrict__ snapshots, float* __restrict__ out,
-                              int T, int Hk, int Hv, int DV, long long v_stride, long long ba_stride) {
+                              int T, int Hk, int Hv, int DV, long long qk_stride, float q_scale, long long v_stride,
+                              long long ba_stride) {
   constexpr int R = DK / 4;  // rows per thread
   __shared__ float qk[2][DK];
+  __shared__ float scratch[WARP];
   const int h = blockIdx.x, hk = h / (Hv / Hk);
   const int j = threadIdx.x / 4, part = threadIdx.x % 4;
   const int col = blockIdx.y * 32 + j;
@@ -56,10 +60,16 @@ __device__ void deltanet_rows(const float* __restrict__ q, const float* __restri
   for (int i = 0; i < R; ++i) s[i] = S[(size_t)(part + 4 * i) * DV + col];
 
   for (int t = 0; t < T; ++t) {
-    __syncthreads();  // the previous row's q, k are no longer read
-    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
-      qk[0][i] = q[((size_t)t * Hk + hk) * DK + i];
-      qk[1][i] = k[((size_t)t * Hk + hk) * DK + i];
+    // this row's query and key, one element a thread (DK <= 128 = blockDim), normalised over the head;
+    // block_sum's first barrier also ends the previous row's reads of qk
+    const float* row = qk_rows + (size_t)t * qk_stride;
+    const float qv = threadIdx.x < DK ? row[(size_t)hk * DK + threadIdx.x] : 0.0f;
+    const float kv = threadIdx.x < DK ? row[(size_t)(Hk + hk) * DK + threadIdx.x] : 0.0f;
+    const float q_norm = sqrtf(block_sum(qv * qv, scratch) + 1e-6f);
+    const float k_norm = sqrtf(block_sum(kv * kv, scratch) + 1e-6f);
+    if (threadIdx.x < DK) {
+      qk[0][threadIdx.x] = qv / q_norm * q_scale;
+      qk[1][threadIdx.x] = kv / k_norm;
     }
     __syncthreads();
     const float beta = sigmoid_f(b[(size_t)t * ba_stride + h]);
@@ -92,11 +102,11 @@ __device__ void deltanet_rows(const float* __restrict__ q, const float* __restri
 
 #define DELTANET_ROWS(DK)                                                                                   \
   extern "C" __global__ void __launch_bounds__(128) deltanet_rows_dk##DK(                                  \
-      const float* q, const float* k, const float* v, const float* b, const float* a, const float* decay_rate, \
+      const float* qk, const float* v, const float* b, const float* a, const float* decay_rate,             \
       const float* dt_bias, float* state, float* snapshots, float* out, int T, int Hk, int Hv, int DV,      \
-      long long v_stride, long long ba_stride) {                                                            \
-    deltanet_rows<DK>(q, k, v, b, a, decay_rate, dt_bias, state, snapshots, out, T, Hk, Hv, DV, v_stride,   \
-                      ba_stride);                                                                           \
+      long long qk_stride, float q_scale, long long v_stride, long long ba_stride) {                        \
+    deltanet_rows<DK>(qk, v, b, a, decay_rate, dt_bias, state, snapshots, out, T, Hk, Hv, DV, qk_stride,    \
+                      q_scale, v_stride, ba_stride);                                                        \
   }
 DELTANET_ROWS(32)
 DELTANET_ROWS(64)

@@ -64,19 +64,6 @@ extern "C" __global__ void gated_rms_norm_sigmoid(const float* __restrict__ x, c
   gated_rms_norm_rows<true>(x, z, w, y, D, eps, heads, z_row_stride);
 }
 
-// DeltaNet's q and k: y = x / sqrt(sum(x^2) + 1e-6) * scale per head of D (scale DK^-0.5 for q,
-// 1 for k). Input rows may be strided (heads inside in_proj_qkv's output): row r of head size D
-// starts at x + (r / heads) * row_stride + (r % heads) * D. Output compact [R, D].
-// Launch: grid R, block 32 * ceil(D / 32) (at most 1024).
-extern "C" __global__ void l2_norm_heads(const float* __restrict__ x, float* __restrict__ y, int heads, int D,
-                                         long long row_stride, float scale) {
-  __shared__ float scratch[WARP];
-  const float* row = x + (size_t)(blockIdx.x / heads) * row_stride + (size_t)(blockIdx.x % heads) * D;
-  const float v = threadIdx.x < D ? row[threadIdx.x] : 0.0f;
-  const float denom = sqrtf(block_sum(v * v, scratch) + 1e-6f);
-  if (threadIdx.x < D) y[(size_t)blockIdx.x * D + threadIdx.x] = v / denom * scale;
-}
-
 // Attention q or k heads: zero-centred RMSNorm over the head (w = 1 + weight), then NeoX RoPE on
 // the first rotary_dim dims, pairs (i, i + rotary_dim / 2), angle = position * inv_freq[i] in fp32
 // (inv_freq as the CPU's rope_tables computes it, uploaded once). The position of row t is

@@ -669,7 +669,9 @@ def deltanet_rows(DK: int):
             raise ValueError("deltanet_rows: four threads per value column, 32 columns: blocks of 128")
         T, Hk, Hv, DV = int(a.T), int(a.Hk), int(a.Hv), int(a.DV)
         heads, cols = min(Hv, grid[0]), min(DV, 32 * grid[1])
-        q, k = (np.repeat(take(p, T, Hk, DK), Hv // Hk, axis=1) for p in (a.q, a.k))  # value head h reads key head h // (Hv / Hk)
+        qk = take_rows(a.qk, T, 2 * Hk * DK, int(a.qk_stride)).reshape(T, 2, Hk, DK)  # raw, normalised here
+        q, k = cpu_ops.l2_normalize(qk[:, 0]) * a.q_scale, cpu_ops.l2_normalize(qk[:, 1])
+        q, k = (np.repeat(x, Hv // Hk, axis=1) for x in (q, k))  # value head h reads key head h // (Hv / Hk)
         beta = cpu_ops.sigmoid(take_rows(a.b, T, Hv, int(a.ba_stride)))
         log_decay = take(a.decay_rate, Hv) * cpu_ops.softplus(take_rows(a.a, T, Hv, int(a.ba_stride)) + take(a.dt_bias, Hv))
         S = take(a.state, Hv, DK, DV)
@@ -704,15 +706,6 @@ def gated_rms_norm(gate):
         take(a.y, R, D)[...] = cpu_ops.rms_norm(take(a.x, R, D), take(a.w, D), a.eps) * gate(z)
 
     return run
-
-
-def l2_norm_heads(grid, block, a):
-    R, heads, D = grid[0], int(a.heads), int(a.D)
-    if block[0] < D or block[0] % 32:
-        raise ValueError("l2_norm_heads: a thread per element, whole warps")
-    r = np.arange(R)
-    first = (r // heads) * int(a.row_stride) + (r % heads) * D  # heads may sit inside wider rows
-    take(a.y, R, D)[...] = cpu_ops.l2_normalize(a.x[first[:, None] + np.arange(D)]) * a.scale
 
 
 def qk_norm_rope(grid, block, a):
@@ -990,7 +983,7 @@ TWINS = {
        for kind in ("bf16", "q4", "exact")},
     "attention_combine": attention_combine, "kv_append_bf16": kv_append_bf16, "kv_append_q4": kv_append_q4,
     "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "gated_rms_norm": gated_rms_norm(cpu_ops.silu), "gated_rms_norm_sigmoid": gated_rms_norm(cpu_ops.sigmoid),
-    "l2_norm_heads": l2_norm_heads, "qk_norm_rope": qk_norm_rope, "silu_mul": silu_mul, "attention_gate": attention_gate,
+    "qk_norm_rope": qk_norm_rope, "silu_mul": silu_mul, "attention_gate": attention_gate,
     "silu_div": silu_div, "hc_mix": hc_mix, "hc_inject": hc_inject, "ple_gate": ple_gate, "ple_conv": ple_conv,
     "index_pool": index_pool, "index_scores": index_scores, "qsa_select": qsa_select,
 }

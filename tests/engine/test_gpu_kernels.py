@@ -122,9 +122,9 @@ def test_w4a8_refuses_block_types_without_a_device_decoder():
 def test_ops_refuse_shapes_their_kernels_do_not_take():
     with pytest.raises(ValueError, match="N % 16 == 0"):
         gb.W4A16Linear(random_w4(40, 128, 0))
-    q, v, gates = np.zeros((1, 1, 16), np.float32), np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32)
+    qk, v, gates = np.zeros((1, 32), np.float32), np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32)
     with pytest.raises(ValueError, match="key dims 32, 64, 128"):
-        gb.delta_rule_rows(q, q, v, gates, gates, gates[0], gates[0], gb.DeltaNetState(64, 4, 1, 16, 32))
+        gb.delta_rule_rows(qk, 1, 16, v, gates, gates, gates[0], gates[0], gb.DeltaNetState(64, 4, 1, 16, 32))
 
 
 def test_linears_report_their_weights_shape():
@@ -167,8 +167,9 @@ def test_trellis_matches_cpu(T, k):
 def test_deltanet_rows_and_snapshots_match_cpu(dk, dv, hk, hv, cp):
     rng = np.random.default_rng(dk)
     T = 5
-    q = l2_normalize(rng.standard_normal((T, hk, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
-    k = l2_normalize(rng.standard_normal((T, hk, dk)).astype(np.float32))
+    raw_q, raw_k = (rng.standard_normal((T, hk, dk)).astype(np.float32) * 3 for _ in range(2))
+    q = l2_normalize(raw_q) * np.float32(dk ** -0.5)  # the kernel normalises the conv output's heads itself
+    k = l2_normalize(raw_k)
     v = rng.standard_normal((T, hv, dv)).astype(np.float32)
     b, a = rng.standard_normal((T, hv)).astype(np.float32), rng.standard_normal((T, hv)).astype(np.float32)
     decay_rate = -np.exp(rng.standard_normal(hv).astype(np.float32))
@@ -182,10 +183,12 @@ def test_deltanet_rows_and_snapshots_match_cpu(dk, dv, hk, hv, cp):
 
     state = gb.DeltaNetState(8, 4, hv, dk, dv)
     state.recurrent[...] = cp.asarray(start)
-    # v, b and a read in place from wider rows, as the model passes columns of its projections
-    wide = cp.asarray(np.concatenate([v.reshape(T, hv * dv), b, a, np.full((T, 3), np.nan, np.float32)], axis=1))
-    v_in, b_in, a_in = wide[:, :hv * dv], wide[:, hv * dv:hv * dv + hv], wide[:, hv * dv + hv:hv * dv + 2 * hv]
-    got = host(gb.delta_rule_rows(q, k, v_in, b_in, a_in, decay_rate, dt_bias, state))
+    # q | k | v (the conv output), b and a read in place from wider rows, as the model passes columns of its projections
+    qk = np.concatenate([raw_q.reshape(T, hk * dk), raw_k.reshape(T, hk * dk)], axis=1)
+    wide = cp.asarray(np.concatenate([qk, v.reshape(T, hv * dv), b, a, np.full((T, 3), np.nan, np.float32)], axis=1))
+    v0 = 2 * hk * dk
+    v_in, b_in, a_in = wide[:, v0:v0 + hv * dv], wide[:, v0 + hv * dv:v0 + hv * dv + hv], wide[:, v0 + hv * dv + hv:v0 + hv * dv + 2 * hv]
+    got = host(gb.delta_rule_rows(wide, hk, dk, v_in, b_in, a_in, decay_rate, dt_bias, state))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     for t in range(T):
         np.testing.assert_allclose(host(state.row_states[t]), cpu_state.row_states[t], rtol=1e-4, atol=1e-5)
@@ -270,14 +273,6 @@ def test_norms_gates_and_rope_match_cpu(cp):
     np.testing.assert_allclose(host(gb.gated_rms_norm(o, z, wn, eps)), want, rtol=1e-5, atol=1e-6)
     wide = cp.asarray(np.concatenate([np.full((T, 7), np.nan, np.float32), z, np.full((T, 2), np.nan, np.float32)], axis=1))
     np.testing.assert_allclose(host(gb.gated_rms_norm(o, wide[:, 7:7 + 48 * 128], wn, eps)), want, rtol=1e-5, atol=1e-6)
-
-    mixed = rng.standard_normal((T, 2 * 16 * 128 + 48 * 128)).astype(np.float32)
-    q_heads = mixed[:, :16 * 128].reshape(T, 16, 128)
-    k_heads = mixed[:, 16 * 128:32 * 128].reshape(T, 16, 128)
-    np.testing.assert_allclose(host(gb.l2_norm_heads(mixed, 16, 128, 128 ** -0.5)),
-                               l2_normalize(q_heads) * np.float32(128 ** -0.5), rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(host(gb.l2_norm_heads(mixed, 16, 128, 1.0, offset=16 * 128)),
-                               l2_normalize(k_heads), rtol=1e-5, atol=1e-7)
 
     q_and_gate = rng.standard_normal((T, heads * 2 * hd)).astype(np.float32)
     norm_w = 1 + rng.standard_normal(hd).astype(np.float32) * 0.1
