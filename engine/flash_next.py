@@ -205,7 +205,7 @@ class FlashMTPHead:
 class FlashNextModel(Model):
     """engine/model.Model with Flash-Next's layers. `forward` returns the streams [T, hc * H] (what the
     MTP head reads); the head mixer (`norm` here: a HyperConnection without injection) turns them into
-    the lm_head's input in `logits`."""
+    the lm_head's input (`head_input`)."""
 
     def new_state(self, kv: str = KVCache.BF16):
         return self.ops.new_state([layer.new_cache(kv) for layer in self.layers])
@@ -217,11 +217,11 @@ class FlashNextModel(Model):
             streams = layer(streams, cache, pos, ids, last_only and i == last)
         return streams
 
-    def logits(self, hidden) -> np.ndarray:
-        return super().logits(self.norm(hidden)[0])
+    def head_input(self, hidden):
+        return self.norm(hidden)[0]
 
-    def draft_logits(self, hidden) -> np.ndarray:
-        return super().draft_logits(self.mtp.mixer(hidden)[0])
+    def draft_head_input(self, hidden):
+        return self.mtp.mixer(hidden)[0]
 
     def mtp_forward(self, state, next_tokens, hidden):
         """The MTP head over rows t (next_tokens[t] = x_{t+1}, hidden[t] = the trunk's streams at t);

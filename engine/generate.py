@@ -19,7 +19,7 @@ from duet.engine.errors import DuetError
 from duet.engine.experts import check_moe_skip
 from duet.engine.loader import LoadedModel
 from duet.engine.sampling import Sampler, SamplingParams, process_rows
-from duet.engine.speculative import EXACT, Depth, accept, check_rule, draft_costs, make_drafter
+from duet.engine.speculative import EXACT, Depth, accept, accept_greedy, argmax_only, check_rule, draft_costs, make_drafter
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,8 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
     stats.ran(apply_route())
     skip_under(check_rule(switches.accept))
     hidden = model.forward(state, prompt_ids, last_only=not drafter.reads_prompt_hidden)
-    first = sampler.pick(model.logits(hidden[-1:])[0], generated)
+    on_device = argmax_only(options.sampling)  # greedy without penalties: only argmax ids leave the device
+    first = int(model.greedy_ids(hidden[-1:])[0]) if on_device else sampler.pick(model.logits(hidden[-1:])[0], generated)
     stats.prefill_seconds = time.perf_counter() - started
     event, reason = emit([first], None)
     yield event
@@ -264,8 +265,10 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
         draft = drafter.propose(history, max(0, min(depth.current, room)), sampler)
         rows = [generated[-1]] + draft.tokens
         hidden = model.forward(state, rows)  # one pass: every layer sees all k + 1 rows
-        target = process_rows(model.logits(hidden), options.sampling, generated, draft.tokens)
-        verdict = accept(rule, target, draft, sampler)
+        if on_device:
+            verdict = accept_greedy(model.greedy_ids(hidden), draft.tokens)
+        else:
+            verdict = accept(rule, process_rows(model.logits(hidden), options.sampling, generated, draft.tokens), draft, sampler)
         state.keep(verdict.accepted + 1)  # roll back past the last kept row
         committed = draft.tokens[: verdict.accepted] + [verdict.next_token]
         drafter.commit(committed, hidden[: verdict.accepted + 1])

@@ -48,7 +48,7 @@ def accept(rule: str, target: np.ndarray, draft: Draft, sampler: Sampler) -> Ver
     p(x) >= p(r); each such keep is counted in `lossy`.
     """
     if sampler.params.greedy:
-        return _accept_greedy(target, draft.tokens)
+        return accept_greedy(np.argmax(target, axis=-1), draft.tokens)
     lossy = 0
     for i, (x, q) in enumerate(zip(draft.tokens, draft.q)):
         p = probabilities(target[i])
@@ -74,8 +74,9 @@ def residual(p: np.ndarray, q: np.ndarray | None, drafted: int) -> np.ndarray:
     return rest / total if total > 0 else p
 
 
-def _accept_greedy(target: np.ndarray, drafts: list[int]) -> Verdict:
-    best = np.argmax(target, axis=-1)
+def accept_greedy(best: np.ndarray, drafts: list[int]) -> Verdict:
+    """Greedy acceptance from each verify row's argmax id best [k + 1]: keep drafts while each equals
+    the argmax of the row before it; the next token is the argmax after the last kept."""
     kept = 0
     while kept < len(drafts) and drafts[kept] == best[kept]:
         kept += 1
@@ -149,11 +150,20 @@ class MTPDrafter:
         for i in range(k):
             if i:
                 hidden = self.model.mtp_forward(self.state, [tokens[-1]], hidden)
-            token, q = _draw_draft(self.model.draft_logits(hidden)[0], sampler, history + tokens)
+            if argmax_only(sampler.params):
+                token, q = int(self.model.draft_greedy_ids(hidden)[0]), None
+            else:
+                token, q = _draw_draft(self.model.draft_logits(hidden)[0], sampler, history + tokens)
             tokens.append(token)
             qs.append(q)
         self.state.rewind(committed_length)
         return Draft(tokens, qs)
+
+
+def argmax_only(params) -> bool:
+    """Whether picking a token needs only the argmax of the raw logits (greedy, no penalties), so a
+    pass's logits need not leave the device (Model.greedy_ids)."""
+    return params.greedy and not params.penalizes
 
 
 def _draw_draft(logits: np.ndarray, sampler: Sampler, previous: list[int]) -> tuple[int, np.ndarray | None]:

@@ -176,6 +176,9 @@ class DeviceArray:
     def copy(self) -> DeviceArray:
         return self.device.produce(self.a.copy)
 
+    def argmax(self, axis=None) -> DeviceArray:
+        return self.device.produce(lambda: self.a.argmax(axis=axis))
+
     def set(self, host: np.ndarray) -> None:
         """A host-to-device copy, with cupy.ndarray.set's checks."""
         self.device.refuse("a host-to-device copy (ndarray.set)")

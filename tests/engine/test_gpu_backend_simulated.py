@@ -200,3 +200,25 @@ def test_take_weights_refuses_another_checkpoint(monkeypatch):
     gpu, other = load(MODELS / "demo", "bf16", "cupy", monkeypatch), load(MODELS / "demo_int4", "w4a16", "cpu", monkeypatch)
     with pytest.raises(ValueError, match="same checkpoint"):
         gpu.model.take_weights(other.model)
+
+
+@pytest.mark.usefixtures("cp")
+def test_a_greedy_reply_leaves_the_logits_on_the_device(prompt, monkeypatch):
+    """Greedy decoding without penalties reads only each row's argmax id (Model.greedy_ids): no
+    [T, V] logits come to the host, in the verify passes or in the MTP drafts, and the reply is the
+    CPU's. A sampled reply copies its rows (the logit processors run on the host)."""
+    from simulated_device import DeviceArray
+
+    from duet.engine import GenerateOptions, SamplingParams, generate
+
+    lm = load(MODELS / "demo", "bf16", "cupy", monkeypatch)
+    copies, get = [], DeviceArray.get
+    monkeypatch.setattr(DeviceArray, "get", lambda array: copies.append(array.shape) or get(array))
+    got, stats = greedy_tokens(lm, prompt, "bf16", "mtp")
+    vocab = lm.config.vocab_size
+    assert stats["accepted"] > 0 and copies and not [shape for shape in copies if shape[-1] == vocab]
+    assert got == greedy_tokens(load(MODELS / "demo", "bf16", "cpu", monkeypatch), prompt, "bf16", "mtp")[0]
+    copies.clear()
+    list(generate(lm, prompt, GenerateOptions(max_tokens=8, sampling=SamplingParams(temperature=0.7, seed=1))))
+    assert any(shape[-1] == vocab for shape in copies)
+
