@@ -18,7 +18,7 @@ from duet.engine.choices import KVCache
 from duet.engine.errors import DuetError
 from duet.engine.experts import check_moe_skip
 from duet.engine.loader import LoadedModel
-from duet.engine.sampling import Sampler, SamplingParams, process_rows
+from duet.engine.sampling import Sampler, SamplingParams, candidates_top_k, process_rows
 from duet.engine.speculative import EXACT, Depth, accept, accept_greedy, argmax_only, check_rule, draft_costs, make_drafter
 
 
@@ -246,7 +246,9 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
     skip_under(check_rule(switches.accept))
     hidden = model.forward(state, prompt_ids, last_only=not drafter.reads_prompt_hidden)
     on_device = argmax_only(options.sampling)  # greedy without penalties: only argmax ids leave the device
-    first = int(model.greedy_ids(hidden[-1:])[0]) if on_device else sampler.pick(model.logits(hidden[-1:])[0], generated)
+    top_k, temperature = candidates_top_k(options.sampling), options.sampling.temperature  # else what top-k keeps
+    first = int(model.greedy_ids(hidden[-1:])[0]) if on_device else \
+        sampler.pick(model.logits(hidden[-1:], top_k, temperature)[0], generated)
     stats.prefill_seconds = time.perf_counter() - started
     event, reason = emit([first], None)
     yield event
@@ -268,7 +270,8 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
         if on_device:
             verdict = accept_greedy(model.greedy_ids(hidden), draft.tokens)
         else:
-            verdict = accept(rule, process_rows(model.logits(hidden), options.sampling, generated, draft.tokens), draft, sampler)
+            target = process_rows(model.logits(hidden, top_k, temperature), options.sampling, generated, draft.tokens)
+            verdict = accept(rule, target, draft, sampler)
         state.keep(verdict.accepted + 1)  # roll back past the last kept row
         committed = draft.tokens[: verdict.accepted] + [verdict.next_token]
         drafter.commit(committed, hidden[: verdict.accepted + 1])

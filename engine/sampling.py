@@ -50,6 +50,14 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0
 
 
+def candidates_top_k(params: SamplingParams) -> int:
+    """When sampling without penalties and with top-k on, params.top_k: the ids top-k keeps (the k
+    largest of logits / temperature and any tied with the k-th) are all the processors leave of a row,
+    so only they need leave the device (Model.logits). Else 0: whole rows (greedy rows go by argmax,
+    Model.greedy_ids; penalties lower seen tokens, which can let a token from outside the k in)."""
+    return params.top_k if not params.greedy and not params.penalizes else 0
+
+
 def process_logits(logits: np.ndarray, params: SamplingParams, previous_ids: Sequence[int]) -> np.ndarray:
     """Processed logits, (V,) or (rows, V) with every row counting previous_ids as generated."""
     seen = np.broadcast_to(_seen_mask(logits.shape[-1], previous_ids), logits.shape) if params.penalizes else None

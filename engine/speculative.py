@@ -14,7 +14,7 @@ import numpy as np
 from duet.engine.choices import Accept, Draft
 from duet.engine.errors import DuetError
 from duet.engine.model import Model
-from duet.engine.sampling import Sampler, probabilities, process_logits
+from duet.engine.sampling import Sampler, candidates_top_k, probabilities, process_logits
 
 EXACT, LOSSY = Accept.EXACT, Accept.LOSSY
 DRAFTERS = tuple(Draft)  # the words of engine/choices.py
@@ -153,7 +153,8 @@ class MTPDrafter:
             if argmax_only(sampler.params):
                 token, q = int(self.model.draft_greedy_ids(hidden)[0]), None
             else:
-                token, q = _draw_draft(self.model.draft_logits(hidden)[0], sampler, history + tokens)
+                logits = self.model.draft_logits(hidden, candidates_top_k(sampler.params), sampler.params.temperature)
+                token, q = _draw_draft(logits[0], sampler, history + tokens)
             tokens.append(token)
             qs.append(q)
         self.state.rewind(committed_length)

@@ -351,6 +351,10 @@ class CpuOps:
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return x
 
+    def top_k_to_host(self, logits: np.ndarray, top_k: int, temperature: float) -> np.ndarray:
+        """Model.logits' rows on the host: here they are already, whole (the processors apply top-k)."""
+        return logits
+
     def to_device(self, x: np.ndarray) -> np.ndarray:
         return x
 

@@ -233,6 +233,7 @@ for _name, _ufunc in {"add": np.add, "sub": np.subtract, "mul": np.multiply, "tr
     setattr(DeviceArray, f"__{_name}__", lambda self, other, ufunc=_ufunc: ufunc(self, other))
     setattr(DeviceArray, f"__r{_name}__", lambda self, other, ufunc=_ufunc: ufunc(other, self))
 DeviceArray.__neg__ = lambda self: np.negative(self)
+DeviceArray.__ge__ = lambda self, other: np.greater_equal(self, other)
 DeviceArray.__iadd__ = lambda self, other: np.add(self, other, out=(self,))
 del _name, _ufunc
 
@@ -476,6 +477,14 @@ class SimulatedCupy:
         if not all(isinstance(a, DeviceArray) for a in arrays):
             raise TypeError("cupy.concatenate takes device arrays")
         return self.device.produce(lambda: np.concatenate(parts, axis=axis))
+
+    def partition(self, a: DeviceArray, kth: int, axis: int = -1) -> DeviceArray:
+        return self.device.produce(lambda: np.partition(self.device.operand(a), kth, axis=axis))
+
+    def nonzero(self, a: DeviceArray) -> tuple[DeviceArray, ...]:
+        """Its size depends on the values: CuPy synchronises, and a capture refuses it."""
+        self.device.refuse("cupy.nonzero (its output size is read back from the device)")
+        return tuple(self.asarray(index) for index in np.nonzero(self.device.operand(a)))
 
     def exp(self, x: DeviceArray) -> DeviceArray:
         if not isinstance(x, DeviceArray):

@@ -203,22 +203,54 @@ def test_take_weights_refuses_another_checkpoint(monkeypatch):
 
 
 @pytest.mark.usefixtures("cp")
-def test_a_greedy_reply_leaves_the_logits_on_the_device(prompt, monkeypatch):
-    """Greedy decoding without penalties reads only each row's argmax id (Model.greedy_ids): no
-    [T, V] logits come to the host, in the verify passes or in the MTP drafts, and the reply is the
-    CPU's. A sampled reply copies its rows (the logit processors run on the host)."""
+def test_greedy_and_top_k_replies_leave_the_logits_on_the_device(prompt, monkeypatch):
+    """Greedy decoding without penalties reads only each row's argmax id (Model.greedy_ids); top-k
+    sampling without penalties only the ids top-k keeps (GpuOps.top_k_to_host). Neither copies a
+    [T, V] row to the host, in the verify passes or in the MTP drafts, and each reply is the CPU's
+    (the same seed: the processors see the same rows). Top-k off, whole rows cross."""
     from simulated_device import DeviceArray
 
-    from duet.engine import GenerateOptions, SamplingParams, generate
+    from duet.engine import GenerateOptions, SamplingParams, Tokens, generate
 
-    lm = load(MODELS / "demo", "bf16", "cupy", monkeypatch)
+    gpu, cpu = (load(MODELS / "demo", "bf16", backend, monkeypatch) for backend in ("cupy", "cpu"))
     copies, get = [], DeviceArray.get
     monkeypatch.setattr(DeviceArray, "get", lambda array: copies.append(array.shape) or get(array))
-    got, stats = greedy_tokens(lm, prompt, "bf16", "mtp")
-    vocab = lm.config.vocab_size
-    assert stats["accepted"] > 0 and copies and not [shape for shape in copies if shape[-1] == vocab]
-    assert got == greedy_tokens(load(MODELS / "demo", "bf16", "cpu", monkeypatch), prompt, "bf16", "mtp")[0]
+    vocab = gpu.config.vocab_size
+
+    def reply(lm, sampling: SamplingParams) -> list[int]:
+        options = GenerateOptions(max_tokens=24, sampling=sampling, draft="mtp")
+        return [t for event in generate(lm, prompt, options) if isinstance(event, Tokens) for t in event.token_ids]
+
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=1)):
+        copies.clear()
+        got = reply(gpu, sampling)
+        assert copies and not [shape for shape in copies if shape[-1] == vocab], sampling
+        assert got == reply(cpu, sampling)
     copies.clear()
-    list(generate(lm, prompt, GenerateOptions(max_tokens=8, sampling=SamplingParams(temperature=0.7, seed=1))))
+    reply(gpu, SamplingParams(temperature=0.7, seed=1))
     assert any(shape[-1] == vocab for shape in copies)
+
+
+@pytest.mark.usefixtures("cp")
+def test_the_top_k_candidates_give_the_processors_the_whole_rows_result(monkeypatch):
+    """What crosses for top-k sampling, processed, equals the whole row processed: every id top-k keeps,
+    ties with the k-th included, and those the temperature's fp32 division turns into ties (adjacent
+    floats that round to one quotient), at several temperatures, top-p and min-p after."""
+    from simulated_device import installed
+
+    from duet.engine.backend.cupy_model import GpuOps
+    from duet.engine.sampling import SamplingParams, process_logits
+
+    rng = np.random.default_rng(5)
+    base = rng.integers(-40, 40, (6, 300)).astype(np.float32) / 8  # many exact ties
+    base[:, ::7] = np.nextafter(base[:, ::7], np.float32(np.inf))  # and neighbours one ulp apart
+    with installed(monkeypatch) as cupy:
+        ops = GpuOps.__new__(GpuOps)
+        for temperature in (0.3, 0.7, 1.0, 3.0):
+            for k in (1, 5, 20, 299):
+                params = SamplingParams(temperature=temperature, top_k=k, top_p=0.9, min_p=0.01)
+                sent = ops.top_k_to_host(cupy.asarray(base), k, temperature)
+                assert np.isinf(sent).sum() >= base.size - 6 * (k + 40) or k == 299
+                for row in range(len(base)):
+                    np.testing.assert_array_equal(process_logits(sent[row], params, []), process_logits(base[row], params, []))
 

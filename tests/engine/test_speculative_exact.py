@@ -624,8 +624,12 @@ class SymbolicModel:
             out.append(("mtp", tuple(state.rows)))
         return symbols(*out)
 
-    def draft_logits(self, hidden):
+    def draft_logits(self, hidden, top_k: int = 0, temperature: float = 1.0):
+        """Whole rows whatever top_k asks (Model may send only what top-k keeps; the processors apply it)."""
         return np.stack([logits_of(h, self.vocab) for h in hidden[:, 0]])
+
+    def draft_greedy_ids(self, hidden):
+        return self.draft_logits(hidden).argmax(axis=-1)
 
 
 def logits_of(symbol, vocab: int) -> np.ndarray:
