@@ -19,18 +19,21 @@ from duet.engine.weights import HEAD_KEY, ModelWeights, row_runs, take_rows
 
 
 
-def assemble(weights: ModelWeights, route: str, host_tables: bool = False, ops=CPU) -> Model:
+def assemble(weights: ModelWeights, route: str, host_tables: bool = False, ops=CPU,
+             experts_on_card: np.ndarray | None = None) -> Model:
     """A Model whose linears run `route` on the op set `ops` (engine/backend/cpu_ops.py: on the CPU,
     float arrays are shared with `weights`, not copied).
 
     host_tables: the output head ranks with an int4 copy and rescores with the bf16 rows
     (engine/heads.py); the checkpoint's head must then be float (the reader checked it).
+    experts_on_card: bool [layers, experts], where ops is the GPU's: the routed experts it holds; the
+    others are the CPU's Linears, run on the host (engine/experts.py). None: all on ops.
     """
     c = weights.config
     if c.flash is not None:
-        return _flash_next(c, Linears(weights, route, flash_op_set(ops)), host_tables)
-    get = Linears(weights, route, ops)
-    layers = [_layer(c, get, f"layers.{i}.", kind, c.moe_layers[i]) for i, kind in enumerate(c.layer_types)]
+        return _flash_next(c, Linears(weights, route, flash_op_set(ops), experts_on_card), host_tables)
+    get = Linears(weights, route, ops, experts_on_card)
+    layers = [_layer(c, get, f"layers.{i}.", kind, c.moe_layers[i], i) for i, kind in enumerate(c.layer_types)]
     lm_head, draft_head = _heads(c, get, host_tables)
     mtp = None
     if weights.has_mtp:
@@ -46,10 +49,11 @@ def assemble(weights: ModelWeights, route: str, host_tables: bool = False, ops=C
 
 
 class Linears:
-    """The stored tensors of one model, the route their Linears run and the op set they run on."""
+    """The stored tensors of one model, the route their Linears run, the op set they run on and
+    which routed experts it holds (bool [layers, experts]; None: all)."""
 
-    def __init__(self, weights: ModelWeights, route: str, ops):
-        self.weights, self.route, self.ops = weights, route, ops
+    def __init__(self, weights: ModelWeights, route: str, ops, experts_on_card: np.ndarray | None = None):
+        self.weights, self.route, self.ops, self.experts_on_card = weights, route, ops, experts_on_card
 
     def __call__(self, key: str) -> np.ndarray:
         return self.weights(key)
@@ -99,9 +103,10 @@ def _heads(c: ModelConfig, get: Linears, host_tables: bool):
     return head, ops.shortlist_head(parts[0] if len(parts) == 1 else ops.concat_outputs(parts), ids, c.vocab_size)
 
 
-def _layer(c: ModelConfig, get: Linears, p: str, kind: str, moe: bool) -> DecoderLayer:
+def _layer(c: ModelConfig, get: Linears, p: str, kind: str, moe: bool, index: int | None = None) -> DecoderLayer:
+    """Layer `index` of the trunk (None: the MTP head's)."""
     mixer = _attention(c, get, p + "self_attn.") if kind == FULL_ATTENTION else _deltanet(c, get, p + "linear_attn.")
-    ffn = _moe(c, get, p + "mlp.") if moe else _mlp(get, p + "mlp.")
+    ffn = _moe(c, get, p + "mlp.", index) if moe else _mlp(get, p + "mlp.")
     return DecoderLayer(mixer, ffn, get.norm(p + "input_layernorm.weight"), get.norm(p + "post_attention_layernorm.weight"),
                         c.rms_norm_eps, get.ops)
 
@@ -136,15 +141,10 @@ def _mlp(get: Linears, p: str) -> MLP:
     return MLP(get.linear(p + "gate_proj.weight", p + "up_proj.weight"), get.linear(p + "down_proj.weight"), get.ops)
 
 
-def _moe(c: ModelConfig, get: Linears, p: str) -> MoE:
-    if get.weights.fused_experts:
-        experts = [MLP(get.linear(p + "experts.gate_up_proj", expert=e), get.linear(p + "experts.down_proj", expert=e),
-                       get.ops) for e in range(c.num_experts)]
-    else:
-        experts = [_mlp(get, f"{p}experts.{e}.") for e in range(c.num_experts)]
+def _moe(c: ModelConfig, get: Linears, p: str, layer: int | None) -> MoE:
     return MoE(
         router=get.linear(p + "gate.weight"),
-        experts=experts,
+        experts=[routed_expert(get, p, e, layer) for e in range(c.num_experts)],
         shared=_mlp(get, p + "shared_expert."),
         shared_gate=get.linear(p + "shared_expert_gate.weight"),
         top_k=c.num_experts_per_tok,
@@ -153,8 +153,21 @@ def _moe(c: ModelConfig, get: Linears, p: str) -> MoE:
     )
 
 
+def routed_expert(get: Linears, p: str, e: int, layer: int | None) -> MLP:
+    """Expert e of the MoE at p in trunk layer `layer` (None: the MTP head's, always with the rest):
+    on get's op set where that holds it; else the CPU's Linears, which the op set runs on the host
+    (ops.host_expert): rows go down, outputs come back, the expert's weights stay in host RAM."""
+    on_card = get.experts_on_card is None or layer is None or bool(get.experts_on_card[layer, e])
+    here = get if on_card else Linears(get.weights, get.route, CPU)
+    if get.weights.fused_experts:
+        mlp = MLP(here.linear(p + "experts.gate_up_proj", expert=e), here.linear(p + "experts.down_proj", expert=e), here.ops)
+    else:
+        mlp = _mlp(here, f"{p}experts.{e}.")
+    return mlp if on_card else get.ops.host_expert(mlp)
+
+
 def _flash_next(c: ModelConfig, get: Linears, host_tables: bool) -> FlashNextModel:
-    layers = [_flash_layer(c, get, f"layers.{i}.", kind, i in c.flash.ple_layers) for i, kind in enumerate(c.layer_types)]
+    layers = [_flash_layer(c, get, f"layers.{i}.", kind, i in c.flash.ple_layers, i) for i, kind in enumerate(c.layer_types)]
     lm_head, draft_head = _heads(c, get, host_tables)
     embed = get.ops.embedding(get("embed_tokens.weight"), lm_head if c.tie_word_embeddings else None)
     mixer = _hyper_connection(c, get, "hyper_connection_mixer.", inject=False)
@@ -167,12 +180,13 @@ def _flash_next(c: ModelConfig, get: Linears, host_tables: bool) -> FlashNextMod
     return FlashNextModel(c, embed, layers, mixer, lm_head, mtp, draft_head, get.ops)
 
 
-def _flash_layer(c: ModelConfig, get: Linears, p: str, kind: str, ple: bool) -> FlashLayer:
+def _flash_layer(c: ModelConfig, get: Linears, p: str, kind: str, ple: bool, index: int | None = None) -> FlashLayer:
+    """Layer `index` of the trunk (None: the MTP head's)."""
     if kind == FULL_ATTENTION:
         mixer = IndexedAttention(_attention(c, get, p + "self_attn."), _indexer(c, get, p + "self_attn.indexer."))
     else:
         mixer = _deltanet(c, get, p + "linear_attn.")
-    return FlashLayer(mixer, _moe(c, get, p + "mlp."), _hyper_connection(c, get, p + "attn_hyper_connection."),
+    return FlashLayer(mixer, _moe(c, get, p + "mlp.", index), _hyper_connection(c, get, p + "attn_hyper_connection."),
                       _hyper_connection(c, get, p + "mlp_hyper_connection."), get.ops, _ple(c, get, p + "ple.") if ple else None)
 
 

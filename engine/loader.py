@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from duet.engine.assemble import assemble
+from duet.engine.assemble import Linears, assemble, routed_expert
 from duet.engine.backend import compiled
+from duet.engine.backend.cpu_ops import CpuOps
 from duet.engine.backend.select import backend_name, gpu_geometry_problem
 from duet.engine.checkpoint.gguf import GGUFCheckpoint, find_gguf
 from duet.engine.checkpoint.hf import TensorPlan, read_weights
@@ -25,7 +26,7 @@ from duet.engine.checkpoint.safetensors import SafetensorsCheckpoint
 from duet.engine.config import ModelConfig
 from duet.engine.errors import CheckpointError, DuetError
 from duet.engine.experts import ExpertRouting, census_path, experts_on_card, load_census
-from duet.engine.model import Model
+from duet.engine.model import Model, MoE
 from duet.engine.tokenizer import Tokenizer
 from duet.engine.weights import ModelWeights
 
@@ -55,6 +56,7 @@ class LoadedModel:
     weights: ModelWeights | None = field(default=None, repr=False)  # kept when there is another route to build
     host_tables: bool = False  # the head ranks with an int4 copy and rescores with bf16 rows (engine/heads.py)
     expert_bytes: int = 0  # one routed expert of one layer, as stored (0: not a MoE)
+    experts_on_card: np.ndarray | None = None  # GPU MoE: bool [layers, experts] the card holds; None: all where the model runs
 
     @functools.cached_property
     def mtp_draft_share(self) -> float:
@@ -72,22 +74,23 @@ class LoadedModel:
         return sum(self.config.moe_layers) * self.config.num_experts
 
     def place_experts(self, on_card: int | None = None) -> ExpertRouting:
-        """Put `on_card` routed experts on the card (by the census beside the model, if any; engine/
-        experts.py) and count every pass's routes from now on. None: as many as the plan of this
-        machine's card (an RTX 3090 without one) fits at a q4 cache of the model's longest context."""
-        c = self.config
-        if on_card is None:
-            from duet.engine.checkpoint.headers import read_headers
-            from duet.engine.placement import RTX_3090, assess, detect_card
-
-            share = assess(read_headers(str(self.path)), detect_card() or RTX_3090, kv="q4").plan.experts_on_card
-            on_card = round((1.0 if share is None else share) * self.routed_experts)
-        layers = len(c.moe_layers)
-        census = load_census(census_path(self.path), layers, c.num_experts)
-        routing = ExpertRouting(experts_on_card(census, layers, c.num_experts, on_card) & np.array(c.moe_layers)[:, None],
-                                self.expert_bytes)
+        """Put `on_card` routed experts on the card (expert_placement) and count every pass's routes
+        from now on. On the GPU the experts move: those leaving the card become the CPU's Linears, run
+        on the host; those joining it go up. On the CPU the placement is a budget: counted, not moved."""
+        mask = expert_placement(self.path, self.config, on_card)
+        if self.experts_on_card is not None:
+            self._move_experts(mask)
+        routing = ExpertRouting(mask, self.expert_bytes)
         self.model.use_routing(routing)
         return routing
+
+    def _move_experts(self, mask: np.ndarray) -> None:
+        get = Linears(self.weights, self.route, self.model.ops, mask)
+        for i, layer in enumerate(self.model.layers):
+            moved = np.flatnonzero(mask[i] != self.experts_on_card[i]) if isinstance(layer.ffn, MoE) else []
+            for e in moved:
+                layer.ffn.experts[e] = routed_expert(get, f"layers.{i}.mlp.", int(e), i)
+        self.experts_on_card = mask
 
     def use_route(self, route: str) -> None:
         """Run the next forward pass on another route of the same weights, without reading files again.
@@ -101,7 +104,7 @@ class LoadedModel:
         if route not in self.routes or self.weights is None:
             raise DuetError(f"{self.name} cannot run the {route} route; it runs {' or '.join(self.routes)}")
         self.model.drop_weights()
-        self.model.take_weights(assemble(self.weights, route, self.host_tables, self.model.ops))
+        self.model.take_weights(assemble(self.weights, route, self.host_tables, self.model.ops, self.experts_on_card))
         self.route = route
 
 
@@ -125,16 +128,36 @@ def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None
         weights = read_weights(opened.checkpoint, opened.config, report, opened.quantized, host_tables)
     finally:
         opened.checkpoint.close()
-    model = assemble_on(weights, chosen, host_tables, chosen_backend, opened.location)
-    if chosen_backend == "cpu":
+    # On the GPU a MoE's routed experts are placed before anything is uploaded: those off the card never go up.
+    on_card = expert_placement(opened.location, opened.config) if opened.config.is_moe and chosen_backend == "cupy" else None
+    model = assemble_on(weights, chosen, host_tables, chosen_backend, opened.location, on_card)
+    if isinstance(model.ops, CpuOps):  # the CPU's after all (a weight the GPU kernels do not take): nothing to place
+        chosen_backend, on_card = "cpu", None
+    if chosen_backend == "cpu" or on_card is not None:  # the CPU's kernels: the model's, or its host experts'
         compiled.compile_kernels(progress and (lambda done, total: progress(LoadProgress(done, total, LoadProgress.KERNELS))))
     lm = LoadedModel(opened.name, opened.location, opened.config, model,
                      opened.tokenizer, route=chosen, routes=opened.routes,
-                     weights=weights if len(opened.routes) > 1 else None, host_tables=host_tables,
-                     expert_bytes=_expert_bytes(weights))
+                     weights=weights if len(opened.routes) > 1 or on_card is not None else None, host_tables=host_tables,
+                     expert_bytes=_expert_bytes(weights), experts_on_card=on_card)
     if opened.config.is_moe:
         lm.place_experts()
     return lm
+
+
+def expert_placement(path: Path, config: ModelConfig, on_card: int | None = None) -> np.ndarray:
+    """bool [layers, experts]: the routed experts the card holds, `on_card` of them (the most-routed
+    by the census beside the model, if any; engine/experts.py). None: as many as the plan of this
+    machine's card (an RTX 3090 without one) fits at a q4 cache of the model's longest context."""
+    routed = sum(config.moe_layers) * config.num_experts
+    if on_card is None:
+        from duet.engine.checkpoint.headers import read_headers
+        from duet.engine.placement import RTX_3090, assess, detect_card
+
+        share = assess(read_headers(str(path)), detect_card() or RTX_3090, kv="q4").plan.experts_on_card
+        on_card = round((1.0 if share is None else share) * routed)
+    layers = len(config.moe_layers)
+    census = load_census(census_path(path), layers, config.num_experts)
+    return experts_on_card(census, layers, config.num_experts, on_card) & np.array(config.moe_layers)[:, None]
 
 
 def _expert_bytes(weights: ModelWeights) -> int:
@@ -163,14 +186,15 @@ def choose_backend(config: ModelConfig, source: Path, requested: str | None = No
     return "cpu" if problem else name
 
 
-def assemble_on(weights: ModelWeights, route: str, host_tables: bool, backend: str, source: Path) -> Model:
+def assemble_on(weights: ModelWeights, route: str, host_tables: bool, backend: str, source: Path,
+                experts_on_card: np.ndarray | None = None) -> Model:
     """The Model on the CPU op set, or on the GPU's (engine/backend/cupy_model.py, imported only here).
     A weight our GPU kernels do not take keeps the model on the CPU, unless the GPU was forced."""
     if backend == "cupy":
         from duet.engine.backend.cupy_model import GpuOps
 
         try:
-            return assemble(weights, route, host_tables, GpuOps(weights.config))
+            return assemble(weights, route, host_tables, GpuOps(weights.config), experts_on_card)
         except ValueError as error:
             if os.environ.get(BACKEND_ENV) == "cupy":
                 raise DuetError(f"{source}: {error}; unset {BACKEND_ENV} to run on the CPU") from None

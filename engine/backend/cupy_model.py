@@ -190,6 +190,10 @@ class GpuOps:
     def host_head(self, head) -> OnHost:
         return OnHost(head)
 
+    def host_expert(self, mlp) -> OnHost:
+        """A routed expert kept in host RAM (engine/experts.py's placement), run there on the CPU's kernels."""
+        return OnHost(mlp)
+
     def shortlist_part(self, head, matrix, rows: np.ndarray | slice, route: str):
         """Leading rows of a float head: a view of the head's device rows. Other rows: a GPU Linear,
         or on the host where our kernels do not take them (W4 rows not a multiple of 16)."""

@@ -196,6 +196,40 @@ def test_routed_experts_and_a_bf16_token_table(monkeypatch, tmp_path):
 
 
 @pytest.mark.usefixtures("cp")
+def test_experts_off_the_card_run_on_the_host(monkeypatch, tmp_path):
+    """Issue 18's split on the GPU: placing 40% of a tiny MoE's routed experts on the card turns the
+    others into the CPU's compiled Linears run on the host (rows go down, outputs come up; their
+    weights are never device arrays). Logits along the CPU's greedy path match within LOGIT_RTOL, the
+    hit rate counts the card's routes, and placing them all back puts every expert on the card again."""
+    import torch
+
+    from duet.engine.backend import compiled
+
+    reference = build_reference("qwen3_5_moe_text", seed=3, head_dim=64, linear_key_head_dim=32, linear_value_head_dim=32)
+    path = save_reference(reference.to(torch.bfloat16), tmp_path / "moe")
+    cpu, gpu = load(path, "bf16", "cpu", monkeypatch), load(path, "bf16", "cupy", monkeypatch)
+    moe_layers = [layer.ffn for layer in gpu.model.layers if hasattr(layer.ffn, "experts")]
+    assert gpu.experts_on_card is not None and gpu.experts_on_card.all()  # a tiny model: the plan holds them all
+    assert not any(isinstance(e, cupy_model.OnHost) for ffn in moe_layers for e in ffn.experts)
+
+    routed = int(gpu.experts_on_card.sum())
+    routing = gpu.place_experts(on_card=routed * 2 // 5)
+    host = [e for ffn in moe_layers for e in ffn.experts if isinstance(e, cupy_model.OnHost)]
+    assert len(host) == routed - routing.on_card.sum() > 0
+    for expert in host:
+        for linear in (expert.linear.gate_up, expert.linear.down):
+            assert type(linear).__module__ == compiled.__name__  # the CPU's kernels, the weights in host RAM
+    tokens = cpu.tokenizer.encode("the quick brown fox jumps over")
+    want = decode_logits(cpu.model, "bf16", tokens, 8)
+    got = decode_logits(gpu.model, "bf16", tokens, 8, forced=[int(t) for t in want.argmax(axis=-1)])
+    assert np.abs(got - want).max() <= LOGIT_RTOL * np.abs(want).max()
+    assert 0 < routing.hits < routing.hits + routing.misses
+
+    gpu.place_experts(on_card=routed)
+    assert not any(isinstance(e, cupy_model.OnHost) for ffn in moe_layers for e in ffn.experts)
+
+
+@pytest.mark.usefixtures("cp")
 def test_take_weights_refuses_another_checkpoint(monkeypatch):
     gpu, other = load(MODELS / "demo", "bf16", "cupy", monkeypatch), load(MODELS / "demo_int4", "w4a16", "cpu", monkeypatch)
     with pytest.raises(ValueError, match="same checkpoint"):
