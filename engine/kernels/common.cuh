@@ -134,6 +134,29 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return warp_max(v);
 }
 
+// One head of D values, a value a thread (blockDim.x == D, at most 256): the zero-centred RMSNorm
+// (w = 1 + weight), then NeoX RoPE on the first rotary_dim dims, pairs (i, i + rotary_dim / 2), angle
+// = position * inv_freq[i] in fp32 (inv_freq as the CPU's rope_tables computes it). Returns this
+// thread's element; `normed` is the block's shared [256] scratch of the normed head. Attention's
+// q and k heads (qk_norm_rope) and Flash-Next's pooled index keys (index_pool) both go through it.
+__device__ __forceinline__ float norm_rope_head(float v, const float* __restrict__ w, const float* __restrict__ inv_freq,
+                                                int position, int D, int rotary_dim, float eps, float* scratch,
+                                                float* normed) {
+  const int i = threadIdx.x;
+  const float denom = sqrtf(block_sum(v * v, scratch) / (float)D + eps);
+  normed[i] = v / denom * w[i];
+  __syncthreads();
+  const int half = rotary_dim / 2;
+  float r = normed[i];
+  if (i < rotary_dim) {
+    const float angle = (float)position * inv_freq[i % half];
+    const float c = cosf(angle), s = sinf(angle);
+    r = i < half ? normed[i] * c - normed[i + half] * s : normed[i] * c + normed[i - half] * s;
+  }
+  return r;
+}
+
+
 // ------------------------------------------------------------------ scalar functions ---
 // The CPU forward's definitions (engine/model.py), in fp32.
 

@@ -98,18 +98,8 @@ extern "C" __global__ void index_pool(const float* __restrict__ raw, const float
   const int d = blockDim.x, i = threadIdx.x, b = first_block + blockIdx.x;
   float sum = 0.0f;
   for (int r = 0; r < ratio; ++r) sum += raw[((size_t)b * ratio + r) * d + i];
-  const float v = sum / (float)ratio;
-  const float denom = sqrtf(block_sum(v * v, scratch) / (float)d + eps);
-  normed[i] = v / denom * w[i];
-  __syncthreads();
-  const int half = rotary_dim / 2;
-  float y = normed[i];
-  if (i < rotary_dim) {
-    const float angle = (float)(b * ratio + offset) * inv_freq[i % half];
-    const float c = cosf(angle), s = sinf(angle);
-    y = i < half ? normed[i] * c - normed[i + half] * s : normed[i] * c + normed[i - half] * s;
-  }
-  blocks[(size_t)b * d + i] = y;
+  blocks[(size_t)b * d + i] =
+      norm_rope_head(sum / (float)ratio, w, inv_freq, b * ratio + offset, d, rotary_dim, eps, scratch, normed);
 }
 
 // Block scores of query row t (cache row *start + t): for each complete block b (b < (row + 1) / ratio),

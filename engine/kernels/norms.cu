@@ -78,17 +78,7 @@ extern "C" __global__ void qk_norm_rope(const float* __restrict__ x, const float
   __shared__ float normed[256];
   const int h = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
   const float v = x[(size_t)t * row_stride + (size_t)h * head_stride + i];
-  const float denom = sqrtf(block_sum(v * v, scratch) / (float)D + eps);
-  normed[i] = v / denom * w[i];
-  __syncthreads();
-  const int half = rotary_dim / 2;
-  float r = normed[i];
-  if (i < rotary_dim) {
-    const float angle = (float)(*start + t) * inv_freq[i % half];
-    const float c = cosf(angle), s = sinf(angle);
-    r = i < half ? normed[i] * c - normed[i + half] * s : normed[i] * c + normed[i - half] * s;
-  }
-  y[((size_t)t * gridDim.x + h) * D + i] = r;
+  y[((size_t)t * gridDim.x + h) * D + i] = norm_rope_head(v, w, inv_freq, *start + t, D, rotary_dim, eps, scratch, normed);
 }
 
 // out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]: the SwiGLU of a fused gate|up product.
