@@ -436,10 +436,9 @@ if _numba:
     # tiles: a decode step 1 token x 4 blocks (8 independent chains hide the multiply-add latency);
     # more tokens, on each pair of blocks 4 x 2 (16 accumulators) while more than 6 rows are left,
     # then one tile of the 1 to 6 left (up to 24 accumulators, 4 weight vectors and the token's:
-    # 29 of AVX-512's 32 registers); a last block alone the same with 1 block
+    # 29 of AVX-512's 32 registers). Lanes come in whole pairs of blocks (BF16Linear pads them).
     _tile_1x4 = _bf16_tile(1, 4)
     _tile_1x2, _tile_2x2, _tile_3x2, _tile_4x2, _tile_5x2, _tile_6x2 = (_bf16_tile(tokens, 2) for tokens in range(1, 7))
-    _tile_1x1, _tile_2x1, _tile_3x1, _tile_4x1, _tile_5x1, _tile_6x1 = (_bf16_tile(tokens, 1) for tokens in range(1, 7))
 
     def _splat(builder, value):
         """An fp32 value in all 16 lanes of a vector."""
@@ -878,18 +877,19 @@ def _dense_rows(kernel, weight: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 @_jit()
 def _bf16_lanes(lanes, x, out, lo, hi):
-    """bf16 weight lanes [B, K, 32] against fp32 x [T, K] into out [T, >= B * 32], blocks [lo, hi)
-    of 32 weight rows, through _bf16_tile's tiles (AVX-512 CPUs: bf16_dot_kernels). Up to 6 token
-    rows (a verify) run in one tile, more in tiles of 4 first, all on a pair of blocks before the
-    next pair: a 5-row verify was a 4-row sweep of the whole matrix and a 1-row one (4 multiply-add
-    chains, which wait on their latency), 221 us against 131 for 4 rows on a [3584, 1024] matrix."""
+    """bf16 weight lanes [B, K, 32] (B even) against fp32 x [T, K] into out [T, B * 32], pairs of
+    blocks of 32 weight rows [lo, hi), through _bf16_tile's tiles (AVX-512 CPUs: bf16_dot_kernels).
+    Up to 6 token rows (a verify) run in one tile, more in tiles of 4 first, all on a pair of blocks
+    before the next pair: a 5-row verify was a 4-row sweep of the whole matrix and a 1-row one (4
+    multiply-add chains, which wait on their latency), 221 us against 131 for 4 rows on a
+    [3584, 1024] matrix."""
     T = x.shape[0]
-    b = lo
+    pair = lo
     if T == 1:
-        while hi - b >= 4:
-            _tile_1x4(lanes, x, out, b, 0)
-            b += 4
-    while hi - b >= 2:
+        while hi - pair >= 2:
+            _tile_1x4(lanes, x, out, 2 * pair, 0)
+            pair += 2
+    for b in range(2 * pair, 2 * hi, 2):
         t = 0
         while T - t > 6:
             _tile_4x2(lanes, x, out, b, t)
@@ -907,25 +907,6 @@ def _bf16_lanes(lanes, x, out, lo, hi):
             _tile_5x2(lanes, x, out, b, t)
         elif rest == 6:
             _tile_6x2(lanes, x, out, b, t)
-        b += 2
-    if b < hi:
-        t = 0
-        while T - t > 6:
-            _tile_4x1(lanes, x, out, b, t)
-            t += 4
-        rest = T - t
-        if rest == 1:
-            _tile_1x1(lanes, x, out, b, t)
-        elif rest == 2:
-            _tile_2x1(lanes, x, out, b, t)
-        elif rest == 3:
-            _tile_3x1(lanes, x, out, b, t)
-        elif rest == 4:
-            _tile_4x1(lanes, x, out, b, t)
-        elif rest == 5:
-            _tile_5x1(lanes, x, out, b, t)
-        elif rest == 6:
-            _tile_6x1(lanes, x, out, b, t)
 
 
 @_jit()
@@ -1051,17 +1032,23 @@ def deltanet_heads(mixed, z, b, a, decay_rate, dt_bias, norm, eps, per_key, S, s
 # every row runs the same loop whatever T is, so a verify row keeps its decode step's bits.
 
 
+@_jit(fastmath=True, inline="always")  # inlined in numba's IR: its callers pass rows of other layouts
+def _rms_norm_row(x, weight, eps, out):
+    """out = x * rsqrt(mean(x^2) + eps) * weight for one row x [D]; weight [D]."""
+    D = x.shape[0]
+    total = np.float32(0)
+    for d in range(D):
+        total += x[d] * x[d]
+    scale = np.float32(1) / np.sqrt(total / np.float32(D) + eps)
+    for d in range(D):
+        out[d] = x[d] * scale * weight[d]
+
+
 @_jit(fastmath=True)
 def rms_norm_rows(x, weight, eps, out):
     """out[m] = x[m] * rsqrt(mean(x[m]^2) + eps) * weight for the rows of x [M, D]; weight [D]."""
-    M, D = x.shape
-    for m in range(M):
-        total = np.float32(0)
-        for d in range(D):
-            total += x[m, d] * x[m, d]
-        scale = np.float32(1) / np.sqrt(total / np.float32(D) + eps)
-        for d in range(D):
-            out[m, d] = x[m, d] * scale * weight[d]
+    for m in range(x.shape[0]):
+        _rms_norm_row(x[m], weight, eps, out[m])
 
 
 @_jit(fastmath=True)
@@ -1087,12 +1074,7 @@ def norm_rope_rows(x, heads, weight, eps, start, inv_freq, out):
     M, hd = out.shape
     half = inv_freq.shape[0]
     for m in range(M):
-        total = np.float32(0)
-        for d in range(hd):
-            total += x[m, d] * x[m, d]
-        scale = np.float32(1) / np.sqrt(total / np.float32(hd) + eps)
-        for d in range(hd):
-            out[m, d] = x[m, d] * scale * weight[d]
+        _rms_norm_row(x[m, :hd], weight, eps, out[m])
         position = np.float32(start + m // heads)
         for i in range(half):
             angle = np.float64(position * inv_freq[i])
@@ -1630,7 +1612,8 @@ class DenseLinear(cpu.DenseLinear):
 class BF16Linear(cpu.Linear):
     """`bf16` route on a bf16 checkpoint's matrix kept as its bits (BF16Matrix): half the memory of
     an fp32 copy and half the bytes a pass reads. On AVX-512 (bf16_dot_kernels' "avx512") the rows
-    are laid 32 side by side at each input (lanes [B, K, 32], rows past N zero) for _bf16_lanes,
+    are laid 32 side by side at each input (lanes [B, K, 32] in whole pairs of blocks, rows past N
+    zero) for _bf16_lanes,
     which runs every token row, a prefill's too, on a pair of blocks before the next: one weight read
     a call, each row's bits as when alone, at the cores' multiply-add peak (widening the weights to
     fp32 for BLAS took 3-6x as long at 25 to 512 rows). Else the bits are kept as they are for
@@ -1646,9 +1629,10 @@ class BF16Linear(cpu.Linear):
         if (kernels or bf16_dot_kernels()[0]) == "avx512":
             N, K = bits.shape
             whole = N // 32
-            self.lanes, self.bits = np.zeros((-(-N // 32), K, 32), np.uint16), None
+            self.lanes, self.bits = np.zeros((-(-N // 64) * 2, K, 32), np.uint16), None
             self.lanes[:whole] = bits[: whole * 32].reshape(whole, 32, K).transpose(0, 2, 1)
-            self.lanes[whole:, :, : N - whole * 32] = bits[whole * 32 :].T
+            if N % 32:  # a last, partial block: its rows, the rest of its lanes zero
+                self.lanes[whole, :, : N - whole * 32] = bits[whole * 32 :].T
             release_file_pages(bits)
         else:
             self.lanes, self.bits = None, np.ascontiguousarray(bits)
@@ -1663,8 +1647,8 @@ class BF16Linear(cpu.Linear):
 
     def leading_rows(self, stop: int) -> BF16Linear | None:
         """This Linear over weight rows 0..stop-1 alone, reading the same bits (no copy): the draft
-        shortlist's leading block of the head. None when stop does not end a block of 32 lanes."""
-        if self.lanes is not None and stop % 32:
+        shortlist's leading block of the head. None when stop does not end a pair of blocks of 32 lanes."""
+        if self.lanes is not None and stop % 64:
             return None
         leading = copy.copy(self)
         leading.rows = stop
@@ -1686,7 +1670,7 @@ class BF16Linear(cpu.Linear):
         if self.lanes is not None:
             blocks, K, _ = self.lanes.shape
             out = np.empty((x.shape[0], blocks * 32), np.float32)
-            split_kernel(_bf16_lanes, (self.lanes, x, out), blocks, split=self.rows * K * x.shape[0] >= SPLIT_MIN_PRODUCTS)
+            split_kernel(_bf16_lanes, (self.lanes, x, out), blocks // 2, split=self.rows * K * x.shape[0] >= SPLIT_MIN_PRODUCTS)
             return out if self.rows == blocks * 32 else np.ascontiguousarray(out[:, : self.rows])
         N, K = self.bits.shape
         if x.shape[0] <= MAX_ROWS:

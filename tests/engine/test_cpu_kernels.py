@@ -368,7 +368,7 @@ def test_bf16_matrices_run_from_their_bits_within_the_sum_bound():
     w64 = torch.from_numpy(weight.bits.view(np.int16)).view(torch.bfloat16).double().numpy()
     for kernels in compiled.bf16_dot_kernels():
         linear = compiled.BF16Linear(weight, kernels)
-        held_rows = 96 if kernels == "avx512" else 70  # lanes of 32 rows, the last padded
+        held_rows = 128 if kernels == "avx512" else 70  # lanes of 32 rows in pairs, the last padded
         assert linear.shape == (70, 1000) and linear.nbytes == held_rows * 1000 * 2
         for rows in (1, 4, 5, 16, 33):
             x = activations(rows, 1000, seed=rows)
@@ -397,7 +397,7 @@ def test_a_bf16_checkpoint_loads_its_matrices_as_bits(tmp_path):
     assert np.array_equal(model.embed[ids], table[ids])
     mixer = model.layers[0].mixer
     N, K = mixer.in_proj.shape
-    held = -(-N // 32) * 32 if compiled.bf16_dot_kernels()[0] == "avx512" else N  # lanes of 32 rows, the last padded
+    held = -(-N // 64) * 64 if compiled.bf16_dot_kernels()[0] == "avx512" else N  # lanes of 32 rows in pairs, the last padded
     assert type(mixer.in_proj) is compiled.BF16Linear and mixer.in_proj.nbytes == 2 * held * K
 
 
