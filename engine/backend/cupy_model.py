@@ -15,8 +15,11 @@ host, where the table lives, and go up as [T, heads * D]; its token history stay
 Rows. A call of T <= MAX_ROWS tokens (a decode step, or a verify of the last token plus drafts)
 runs every layer once over all rows. A longer call (prefill) runs the Linears over all rows and
 the DeltaNet and attention cores MAX_ROWS rows at a time, each slice exactly as a verify of its
-rows would run. A position is a `Rows`. Hidden states stay on the device; `logits` hands numpy to
-the sampler.
+rows would run. A position is a `Rows`. Hidden states stay on the device, and so do the logits
+where the sampler needs less than whole rows: argmax ids for greedy decoding (Model.greedy_ids),
+the ids top-k keeps for top-k sampling (top_k_to_host); other settings get whole rows on the host.
+Routed experts the card does not hold (engine/experts.py's placement) run on the host as the CPU's
+Linears (host_expert).
 
 Where the numbers differ from the CPU op set (the GPU tests' tolerances cover each):
 - fp32 sums in other orders (GEMVs, attention, norms), and the bf16 KV cache keeps bf16 rows on the
