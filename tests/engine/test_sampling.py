@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from duet.engine.errors import DuetError
-from duet.engine.sampling import Sampler, SamplingParams, probabilities, process_logits, process_rows
+from duet.engine.sampling import Sampler, SamplingParams, candidates_top_k, probabilities, process_logits, process_rows
 
 VOCAB = 97
 
@@ -159,6 +159,31 @@ def test_sampled_frequencies_match_probabilities() -> None:
     assert chi_square < 40
     uniform = np.full(kept.sum(), draws / kept.sum())
     assert float((((uniform - expected) ** 2) / expected).sum()) > 400
+
+
+def test_only_top_k_sampling_without_penalties_needs_just_the_top_k_candidates() -> None:
+    """A GPU sends only what top-k keeps of a row when that is all the processors can use (the
+    GPU side: test_gpu_backend_simulated.py). A penalty can lift a token from outside the raw top k
+    into the processed top k, so with one the whole row is needed; greedy goes by argmax ids."""
+    logits = np.array([5.0, 4.0, 3.9, 0.0], np.float32)
+    penalised = SamplingParams(temperature=1.0, top_k=2, repetition_penalty=2.0)
+    kept = np.flatnonzero(process_logits(logits, penalised, [0]) > -np.inf)  # token 0 seen: 5 -> 2.5
+    assert list(kept) == [1, 2]  # token 2 was not in the raw top 2
+    assert candidates_top_k(penalised) == 0
+    assert candidates_top_k(SamplingParams(temperature=1.0, top_k=2, presence_penalty=0.5)) == 0
+    assert candidates_top_k(SamplingParams(top_k=2)) == 0  # greedy
+    assert candidates_top_k(SamplingParams(temperature=1.0, top_k=2)) == 2
+
+
+def test_top_p_takes_equally_likely_tokens_in_id_order() -> None:
+    """Among equally likely tokens the lower ids count as above the others (a stable order), so the
+    cut at top_p is one set whatever sort would be fastest: 64 tokens of three logits, shuffled."""
+    logits = np.random.default_rng(0).integers(0, 3, 64).astype(np.float32)
+    kept = np.flatnonzero(process_logits(logits, SamplingParams(temperature=1.0, top_p=0.3), []) > -np.inf)
+    probs = np.exp(logits.astype(np.float64)) / np.exp(logits.astype(np.float64)).sum()
+    by_rank = sorted(range(64), key=lambda i: (-logits[i], i))  # most likely first, ties by id
+    above = np.cumsum([probs[i] for i in by_rank]) - [probs[i] for i in by_rank]
+    assert np.array_equal(kept, np.sort([i for i, mass in zip(by_rank, above) if mass < 0.3]))
 
 
 def test_a_draw_is_the_first_token_whose_cumulative_probability_passes_the_uniform() -> None:
