@@ -6,7 +6,6 @@ A model folder or GGUF file becomes weights in memory, a tokenizer and a config,
 from __future__ import annotations
 
 import functools
-
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,10 +67,6 @@ class LoadedModel:
 
         weights = weights_of(read_headers(str(self.path)), w4=False)
         return bill_of_bytes(weights, self.config, depth=1).drafting / bill_of_bytes(weights, self.config).verify_pass
-
-    @property
-    def routed_experts(self) -> int:
-        return sum(self.config.moe_layers) * self.config.num_experts
 
     def place_experts(self, on_card: int | None = None) -> ExpertRouting:
         """Put `on_card` routed experts on the card (expert_placement) and count every pass's routes

@@ -147,7 +147,7 @@ def split_kernel(kernel, args: tuple, n: int, split: bool = True) -> None:
     if not split:  # most of a small model's products: straight to the kernel (~1 us of calls less, ~40 a step)
         kernel(*args, 0, n)
         return
-    in_compiled_parts(parts_driver(kernel), kernel, args, n, split)
+    in_compiled_parts(parts_driver(kernel), kernel, args, n)
 
 
 # The int8 kernels in quads (vpdpbusd's layout) run this CPU's family: a column is the lanes one vector
@@ -1613,12 +1613,11 @@ class BF16Linear(cpu.Linear):
     """`bf16` route on a bf16 checkpoint's matrix kept as its bits (BF16Matrix): half the memory of
     an fp32 copy and half the bytes a pass reads. On AVX-512 (bf16_dot_kernels' "avx512") the rows
     are laid 32 side by side at each input (lanes [B, K, 32] in whole pairs of blocks, rows past N
-    zero) for _bf16_lanes,
-    which runs every token row, a prefill's too, on a pair of blocks before the next: one weight read
-    a call, each row's bits as when alone, at the cores' multiply-add peak (widening the weights to
-    fp32 for BLAS took 3-6x as long at 25 to 512 rows). Else the bits are kept as they are for
-    _dense_bf16 up to MAX_ROWS rows, a prefill through BLAS on blocks of WIDEN_ROWS weight rows
-    widened as they are used, each core taking its share of the rows."""
+    zero) for _bf16_lanes, which runs every token row, a prefill's too, on a pair of blocks before
+    the next: one weight read a call, each row's bits as when alone, at the cores' multiply-add peak
+    (widening the weights to fp32 for BLAS took 3-6x as long at 25 to 512 rows). Else the bits are
+    kept as they are for _dense_bf16 up to MAX_ROWS rows, a prefill through BLAS on blocks of
+    WIDEN_ROWS weight rows widened as they are used, each core taking its share of the rows."""
 
     route = "bf16"
     WIDEN_ROWS = 256  # weight rows widened at a time in a prefill: 1 MB of fp32 at K = 1024

@@ -12,7 +12,6 @@ Math: REFERENCE.md section 1.
 from __future__ import annotations
 
 import functools
-
 from contextlib import nullcontext
 
 import numpy as np

@@ -150,15 +150,15 @@ def in_parallel(work, n: int, split: bool = True, blas: bool = True) -> None:
         _SPLITTING.release()
 
 
-def in_compiled_parts(parallel, serial, args: tuple, n: int, split: bool = True) -> None:
+def in_compiled_parts(parallel, serial, args: tuple, n: int) -> None:
     """A compiled kernel of the form kernel(*args, lo, hi) over [0, n): serial(*args, 0, n), or, when
-    asked and more than one core serves, parallel(args, n, parts), which cuts [0, n) into PARTS
+    more than one core serves, parallel(args, n, parts), which cuts [0, n) into PARTS
     contiguous parts that numba's own threads run at once (a region starts in ~2-5 us; a handoff to
     the workers above took ~100 us under the GIL, ~115 times a 0.8B decode step). One split runs at a
     time, as in in_parallel: a kernel called beside or inside another split runs whole (numba's
     fallback thread pool may not be entered by two threads at once)."""
     parts = min(PARTS, n)
-    if parallel is None or not split or parts < 2 or not _SPLITTING.acquire(blocking=False):
+    if parallel is None or parts < 2 or not _SPLITTING.acquire(blocking=False):
         serial(*args, 0, n)
         return
     try:
