@@ -15,7 +15,7 @@ rolls back exactly (engine/cache.py: IndexedKVCache, PLEState).
 
 One model definition for both backends: the layers below hold Linears and vectors and ask their op
 set (`ops`) for Flash-Next's steps, as engine/model.py's layers ask for attention and DeltaNet cores:
-stream_norm, silu_div, hc_mix, hc_inject, ple_gate, ple_conv, indexed_attention and the two caches.
+silu_div, hc_mix, hc_inject, ple_gate, ple_conv, indexed_attention and the two caches.
 FlashCpuOps here is the numpy op set with those steps, the numerics reference; the GPU op set
 (engine/backend/cupy_model.GpuOps) runs them as CUDA kernels (engine/kernels/flash_next.cu, and
 attention.cu's sparse partials). The n-gram table stays a host table on both: its rows are gathered
@@ -37,6 +37,13 @@ from duet.engine.model import Attention, DeltaNet, Model, MoE
 from duet.engine.weights import ShardedRows
 
 
+def stream_norm(ops, x, weight, hc: int, eps: float):
+    """x [T, hc * H] normed over each stream's H values with its slice of weight [hc * H]: [T, hc * H]
+    (either op set's rms_norm takes a weight row per stream)."""
+    T = x.shape[0]
+    return ops.rms_norm(x.reshape(T, hc, -1), weight.reshape(hc, -1), eps).reshape(T, -1)
+
+
 @dataclass
 class HyperConnection:
     """Streams [T, hc * H] -> the block's input [T, H] and each stream's injection logits [T, hc]."""
@@ -51,7 +58,7 @@ class HyperConnection:
 
     def __call__(self, streams):
         ops = self.ops
-        normed = ops.stream_norm(streams, self.norm, self.hc, self.eps)  # [T, hc * H]
+        normed = stream_norm(ops, streams, self.norm, self.hc, self.eps)  # [T, hc * H]
         mixed = ops.hc_mix(normed, self.up(ops.silu_div(self.down(normed), self.hc)), self.hc)  # [T, H]
         return mixed, None if self.inject is None else self.inject(normed)
 
@@ -118,10 +125,10 @@ class PLE:
         T, ops = streams.shape[0], self.ops
         history = np.concatenate([state.tokens, ids])
         embedded = ops.to_device(self.ngrams(history, T))  # [T, P]
-        key = ops.stream_norm(self.key_proj(embedded), self.norm_key, self.hc, self.eps)  # [T, hc * H]
-        query = ops.stream_norm(streams, self.norm_query, self.hc, self.eps)
+        key = stream_norm(ops, self.key_proj(embedded), self.norm_key, self.hc, self.eps)  # [T, hc * H]
+        query = stream_norm(ops, streams, self.norm_query, self.hc, self.eps)
         gated = ops.ple_gate(key, query, self.value_proj(embedded), self.hc)  # [T, hc * H]
-        normed = ops.stream_norm(gated, self.norm_conv, self.hc, self.eps)
+        normed = stream_norm(ops, gated, self.norm_conv, self.hc, self.eps)
         out = ops.ple_conv(gated, normed, self.conv, self.dilation, state)
         state.token_window = history if T <= MAX_ROWS else None  # a decode or verify call keeps it for a rollback
         state.tokens = history[T:].copy()
@@ -230,7 +237,7 @@ class FlashNextModel(Model):
         ids = np.asarray(next_tokens, dtype=np.int64)
         T = len(ids)
         e = head.fc_embedding(ops.rms_norm(self.embed[ids], head.norm_embedding, eps))  # [T, H]
-        h = ops.stream_norm(hidden, head.norm_hidden, hc, eps).reshape(T * hc, -1)
+        h = stream_norm(ops, hidden, head.norm_hidden, hc, eps).reshape(T * hc, -1)
         streams = (head.fc_hidden(h).reshape(T, hc, -1) + e[:, None, :]).reshape(T, -1)
         streams = head.layer(streams, state.layers[0], ops.mtp_position(state, T), ids)
         state.advance(T)
@@ -252,11 +259,6 @@ class FlashCpuOps(CpuOps):
         return IndexedKVCache(kv, index_dim, ratio)
 
     # ---- hyper-connections
-
-    def stream_norm(self, x: np.ndarray, weight: np.ndarray, hc: int, eps: float) -> np.ndarray:
-        """x [T, hc * H] normed over each stream's H values with its slice of weight [hc * H]: [T, hc * H]."""
-        T = x.shape[0]
-        return self.rms_norm(x.reshape(T, hc, -1), weight.reshape(hc, -1), eps).reshape(T, -1)
 
     def silu_div(self, x: np.ndarray, divisor: int) -> np.ndarray:
         """silu(x / divisor): the input mixer's activation between its low-rank projections."""

@@ -390,10 +390,14 @@ class KVCache:
         return True
 
 
-def _grown(array: cp.ndarray, rows: int, length: int) -> cp.ndarray:
-    """array [kv, capacity, ...] with capacity max(rows, 2 x capacity), rows 0 .. length - 1 kept."""
-    grown = cp.zeros((array.shape[0], max(rows, 2 * array.shape[1]), *array.shape[2:]), array.dtype)
-    grown[:, :length] = array[:, :length]
+def _grown(array: cp.ndarray, rows: int, length: int, axis: int = 1) -> cp.ndarray:
+    """array with its capacity axis (1: [kv, capacity, ...]) at max(rows, 2 x capacity), rows 0 ..
+    length - 1 kept."""
+    shape = list(array.shape)
+    shape[axis] = max(rows, 2 * shape[axis])
+    grown = cp.zeros(tuple(shape), array.dtype)
+    kept = (slice(None),) * axis + (slice(0, length),)
+    grown[kept] = array[kept]
     return grown
 
 
@@ -563,8 +567,8 @@ class IndexedKVCache:
         moved = self.kv.reserve(rows)
         if rows <= self.raw.shape[0]:
             return moved
-        self.raw = _grown_rows(self.raw, rows, self.length)
-        self.blocks = _grown_rows(self.blocks, rows // self.ratio + 1, self.done_blocks)
+        self.raw = _grown(self.raw, rows, self.length, axis=0)
+        self.blocks = _grown(self.blocks, rows // self.ratio + 1, self.done_blocks, axis=0)
         return True
 
     def append_index_keys(self, raw, at: int, pool) -> None:
@@ -575,13 +579,6 @@ class IndexedKVCache:
         if complete > self.done_blocks:
             pool(self.done_blocks, complete - self.done_blocks)
             self.done_blocks = complete
-
-
-def _grown_rows(array: cp.ndarray, rows: int, kept: int) -> cp.ndarray:
-    """array [capacity, ...] with capacity max(rows, 2 x capacity), rows 0 .. kept - 1 kept."""
-    grown = cp.zeros((max(rows, 2 * array.shape[0]), *array.shape[1:]), array.dtype)
-    grown[:kept] = array[:kept]
-    return grown
 
 
 def pool_index_blocks(cache: IndexedKVCache, first_block: int, n: int, k_norm, inv_freq, rotary_dim: int, offset: int,

@@ -191,11 +191,10 @@ class GpuOps:
         return Embedding(tied_head.weight if isinstance(tied_head, gb.DenseLinear) else table)
 
     def host_head(self, head) -> OnHost:
+        """A head, or a routed expert kept in host RAM (engine/experts.py's placement): run on the host."""
         return OnHost(head)
 
-    def host_expert(self, mlp) -> OnHost:
-        """A routed expert kept in host RAM (engine/experts.py's placement), run there on the CPU's kernels."""
-        return OnHost(mlp)
+    host_expert = host_head
 
     def shortlist_part(self, head, matrix, rows: np.ndarray | slice, route: str):
         """Leading rows of a float head: a view of the head's device rows. Other rows: a GPU Linear,
@@ -369,11 +368,6 @@ class GpuOps:
 
     def indexed_cache(self, kv, index_dim: int, ratio: int) -> gb.IndexedKVCache:
         return gb.IndexedKVCache(kv, index_dim, ratio, KV_CAPACITY)
-
-    def stream_norm(self, x, weight: cp.ndarray, hc: int, eps: float) -> cp.ndarray:
-        """x [T, hc * H] normed over each stream's H values with its slice of weight [hc * H]: [T, hc * H]."""
-        T = x.shape[0]
-        return gb.rms_norm(x.reshape(T, hc, -1), weight.reshape(hc, -1), eps).reshape(T, -1)
 
     silu_div = staticmethod(gb.silu_div)
     hc_mix = staticmethod(gb.hc_mix)

@@ -29,7 +29,7 @@ from duet.engine.backend import cpu
 from duet.engine.backend import cupy_backend as gb
 from duet.engine.cache import DeltaNetState, IndexedKVCache, KVCache, PLEState, Q4KVCache
 from duet.engine.backend.cpu_ops import apply_rope, attend, causal_conv, delta_rule_rows, l2_normalize, rms_norm, rope_tables, sigmoid, silu
-from duet.engine.flash_next import FlashCpuOps
+from duet.engine.flash_next import FlashCpuOps, stream_norm
 from duet.engine.quant.activation import f32_to_bf16_bits, quantize_int8_blocks, round_to_bf16
 from duet.engine.quant.gguf_blocks import BlockMatrix
 from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations, rotation_signs
@@ -303,7 +303,7 @@ def test_hyper_connection_steps_match_cpu(T, cp):
     hc, H, eps = 3, 256, 1e-6
     streams = rng.standard_normal((T, hc * H)).astype(np.float32)
     norm = 1 + 0.2 * rng.standard_normal(hc * H).astype(np.float32)
-    normed = FLASH.stream_norm(streams, norm, hc, eps)
+    normed = stream_norm(FLASH, streams, norm, hc, eps)
     got = host(gb.rms_norm(streams.reshape(T, hc, H), norm.reshape(hc, H), eps)).reshape(T, hc * H)  # a weight row per stream
     np.testing.assert_allclose(got, normed, rtol=1e-5, atol=1e-6)
     low = rng.standard_normal((T, 24)).astype(np.float32)
