@@ -96,7 +96,7 @@ def test_gguf_w4a8_within_the_sum_bound_of_gguf_reference(qtype, rows):
     weight = random_blocks(qtype, 48, 512, seed=qtype.value)
     x = activations(rows, 512, seed=rows)
     linear = compiled.make_linear(weight, "w4a8")
-    assert isinstance(linear, compiled.W4A8Linear)
+    assert type(linear) is (compiled.W4A8NibbleLinear if qtype == Q.Q4_0 else compiled.W4A8Linear)
     y = linear(x)
     assert y.dtype == np.float32 and y.shape == (rows, 48)
     assert_within_sum_bound(y, gguf_reference(weight), int8_activations(x), terms=512)
@@ -150,7 +150,7 @@ def test_trellis_within_the_sum_bound_of_the_level_function(k):
 
 
 @pytest.mark.parametrize("kernels", compiled.int8_dot_kernels())
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_activations_are_the_routes_int8_levels_bit_for_bit(qtype, kernels):
     """The kernels' fused quantization gives quantize_int8_blocks' levels, scales and unit sums exactly:
     halves that round to even, an all-zero block (scale 0, levels 0), a block whose absmax is negative."""
@@ -165,9 +165,9 @@ def test_activations_are_the_routes_int8_levels_bit_for_bit(qtype, kernels):
     unit, p = linear.planes.unit, linear.planes
     by_unit = levels.reshape(3, -1, unit)  # [T, U, unit]
     lanes = np.repeat(by_unit.transpose(0, 2, 1), p.group, axis=2)  # [T, unit, U * R]: position-major, R copies
-    # runs of `width` adjacent positions a lane, in halves for the nibbles (low, then high): [T, halves, runs, L, width]
-    width, halves = 4 if p.quads else 2 if p.nibbles else 1, 2 if p.nibbles else 1
-    lanes = lanes.reshape(3, halves, unit // halves // width, width, -1).transpose(0, 1, 2, 4, 3)
+    # runs of `width` adjacent positions a lane: [T, runs, L, width]
+    width = 4 if p.quads else 1
+    lanes = lanes.reshape(3, unit // width, width, -1).transpose(0, 1, 3, 2)
     assert q.dtype == (np.int16 if width == 1 else np.int8) and np.array_equal(q, lanes.reshape(3, -1))
     unit_scale = np.repeat(scale, 32 // unit, axis=1)  # [T, U]
     assert np.array_equal(x_scale.view(np.uint32), np.repeat(unit_scale, p.group, axis=1).view(np.uint32))
@@ -176,9 +176,48 @@ def test_activations_are_the_routes_int8_levels_bit_for_bit(qtype, kernels):
     assert lane_sum.dtype == np.int32 and np.array_equal(lane_sum, np.repeat(unit_sum, p.group, axis=1))
 
 
+def test_nibble_activations_are_the_routes_int8_levels_in_place():
+    """W4A8NibbleLinear keeps the levels where their inputs are, one byte each, with each unit's
+    level sum and scale: quantize_int8_blocks' numbers, bit for bit, the same edge cases as above."""
+    linear = compiled.w4a8_linear(random_blocks(Q.Q4_0, 16, 256, seed=1))
+    x = activations(3, 256, seed=2)
+    x[0, :32] = 0.0
+    x[1, 32:64] = np.arange(32, dtype=np.float32) - 15.5
+    x[1, 32] = 127.0
+    x[2, 64:96] *= -100
+    q, unit_sum, unit_scale = linear.prepare(x)
+    levels, scale = quantize_int8_blocks(x)  # [T, K/32, 32], [T, K/32]
+    assert q.dtype == np.int8 and np.array_equal(q, levels.reshape(3, 256))
+    assert unit_sum.dtype == np.int32 and np.array_equal(unit_sum, levels.sum(axis=-1))
+    assert np.array_equal(unit_scale.view(np.uint32), scale.astype(np.float32).view(np.uint32))
+
+
+def test_nibble_rows_hold_q4_0_blocks_and_w4_levels_as_laid_out():
+    """NibbleRows from Q4_0 blocks (their bytes moved as stored) and from W4 (through its codec):
+    group g's byte v * 256 + p * 64 + r * 4 + s is row 16 g + r's unit v positions 4p + s (low
+    nibble) and 16 + 4p + s (high), level + 8; scales per (unit, row); padding rows level 0, scale 0."""
+    for weight in (random_blocks(Q.Q4_0, 21, 96, seed=4), random_w4(21, 128, seed=5)):
+        N, K = weight.shape
+        p = compiled.repack_nibble_rows(weight)
+        assert p.shape == (N, K) and p.codes.shape == (2, K // 32 * 256) and p.nbytes == p.codes.nbytes + p.scale.nbytes
+        if isinstance(weight, BlockMatrix):
+            levels = np.rint(gguf_reference(weight) / np.repeat(weight.raw.reshape(N, -1, 18)[:, :, :2].copy().view(np.float16)[..., 0], 32, axis=1))
+            unit_scale = weight.raw.reshape(N, -1, 18)[:, :, :2].copy().view(np.uint16)[..., 0]
+        else:
+            levels = unpack_levels(weight.packed).astype(np.float64)
+            unit_scale = np.repeat((weight.scales.astype(np.uint32) << 16).view(np.float32), 4, axis=1)
+        codes = p.codes.reshape(2, K // 32, 4, 16, 4)  # [g, v, p, r, s]
+        low = (codes & 15).astype(np.int64) - 8
+        high = (codes >> 4).astype(np.int64) - 8
+        rows = np.concatenate([low, high], axis=2).transpose(0, 3, 1, 2, 4).reshape(32, K)  # [g r, v (low quads, high quads) s]
+        assert np.array_equal(rows[:N], levels) and not rows[N:].any()
+        scales = p.scale.reshape(2, K // 32, 16).transpose(0, 2, 1).reshape(32, K // 32)
+        assert np.array_equal(scales[:N], unit_scale) and not scales[N:].any()
+
+
 def family_and_generic(weight, kernels: str):
     """The same matrix as a Linear of the given kernel family and of the generic one."""
-    make = compiled.TrellisLinear if isinstance(weight, T.TrellisWeight) else compiled.W4A8Linear
+    make = compiled.TrellisLinear if isinstance(weight, T.TrellisWeight) else compiled.w4a8_linear
     return make(weight, kernels), make(weight, "generic")
 
 
@@ -204,7 +243,10 @@ def test_each_kernel_family_gives_the_same_bits(make):
     x = activations(40, weight.shape[1], seed=9) * np.float32(3)
     for family in kernels[:-1]:
         fast, generic = family_and_generic(weight, family)
-        assert fast.planes.quads and not generic.planes.quads
+        if isinstance(fast, compiled.W4A8NibbleLinear):
+            assert (fast.kernel, generic.kernel) == (compiled._w4a8_nibble_rows, compiled._w4a8_nibble_rows_loops)
+        else:
+            assert fast.planes.quads and not generic.planes.quads
         for rows in (1, 2, 5, 16, 40):
             assert np.array_equal(fast(x[:rows]), generic(x[:rows])), f"{family}, {rows} rows"
 
@@ -483,8 +525,8 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     reports = []
     compiled.compile_kernels(lambda done, total: reports.append((done, total)))
     assert reports == [(i, len(reports)) for i in range(1, len(reports) + 1)] and len(reports) >= 5
-    w4a8 = [compiled._w4a8_nibble_quads, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] != "generic" else \
-        [compiled._w4a8_nibbles, compiled._w4a8_bytes]
+    w4a8 = [compiled._w4a8_nibble_rows, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] != "generic" else \
+        [compiled._w4a8_nibble_rows_loops, compiled._w4a8_bytes]
     w4a16 = compiled._w4a16_lanes if compiled.w4a16_kernels()[0] == "avx512" else compiled._w4a16_nibbles
     kernels = [*w4a8, w4a16, compiled._dense, compiled.deltanet_heads,
                compiled.rms_norm_rows, compiled.add_rms_norm_rows, compiled.norm_rope_rows, compiled.swiglu_rows, compiled.conv_rows, compiled.attend_rows]
