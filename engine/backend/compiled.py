@@ -11,7 +11,7 @@ from two things:
   rows side by side too (codes [N / R, unit, U * R]). The dot products of all units of R rows then
   grow together, one vector op per position, with no horizontal sum per unit; each unit's scale is
   applied once at the end.
-- W4 and Q4_0 on w4a8 are laid out the other way round (`NibbleRows`): a unit's 16 weight rows
+- W4, Q4_0 and Q8_0 on w4a8 are laid out the other way round (`RowPlanes`): a unit's 16 weight rows
   side by side in one vector, each row's four bytes of a quad in its int32 lane, so one activation
   quad broadcast to all lanes serves 16 rows. The activations stay as quantized, one byte a level
   (the position-major layout repeats them for each of the R rows), a tile of 8 token rows shares
@@ -512,25 +512,27 @@ if _numba:
     _w4a16_4x1, _w4a16_2x2, _w4a16_1x4, _w4a16_1x2, _w4a16_1x1 = (
         _w4a16_tile(*shape) for shape in ((4, 1), (2, 2), (1, 4), (1, 2), (1, 1)))
 
-    def _nibble_rows_tile(tokens: int):
-        """The intrinsic below for a tile of `tokens` token rows."""
+    def _rows_tile(tokens: int, nibbles: bool):
+        """The intrinsic below for a tile of `tokens` token rows, on nibble or byte RowPlanes."""
 
-        def nibble_rows_tile(typingctx, codes, scales, q, x_sum, x_scale, acc, g, t0):
+        def rows_tile(typingctx, codes, scales, q, x_sum, x_scale, acc, g, t0):
             """In compiled code, on the CPU of int8_dot_kernels()'s "vnni" or "avx2" family only:
             acc[i, r] = the sum over units v, in order from 0, of fp32(dot) * (scales[v * 16 + r] *
-            x_scale[t0 + i, v]), dot = the integer dot of weight row 16 g + r's unit v with token row
-            t0 + i's, minus 8 x_sum[t0 + i, v] (the stored + 8); i < tokens, r < 16. codes uint8
-            [G, U * 256] (NibbleRows), scales fp32 [U * 16] (group g's), q int8 [T, K], x_sum int32
-            and x_scale fp32 [T, U], acc fp32 [>= tokens, 16]: C arrays.
+            x_scale[t0 + i, v]), dot = the integer dot of weight row 16 g + r's unit v (32 inputs) with
+            token row t0 + i's, minus the codes' stored offset times x_sum[t0 + i, v] (nibbles: 8;
+            bytes: QUAD_BIAS); i < tokens, r < 16. codes uint8 [G, U * 256 (nibbles) or U * 512]
+            (RowPlanes), scales fp32 [U * 16] (group g's), q int8 [T, K], x_sum int32 and x_scale fp32
+            [T, U], acc fp32 [>= tokens, 16]: C arrays.
 
-            A unit's 16 rows lie in four 64-byte vectors, one per quad p of positions, a row's four
-            bytes in one int32 lane (low nibbles positions 4p..4p+3, high ones 16 + 4p..): masked and
-            shifted once, they serve every token of the tile, whose 4 activation bytes for the quad
-            are broadcast to all lanes (one vpbroadcastd from L1, where the quads kernels read a copy
-            per lane: x 8 times the size). vnni: vpdpbusd adds the 4 products of a lane into int32,
-            low and high nibbles in two chains. avx2: two 8-lane halves; vpmaddubsw pairs (<= 2 * 15
-            * 127, the nibbles' two sums <= 7620: no saturation), vpmaddwd by ones to int32. The
-            integers are exact; the fp32 steps are those of _w4a8_nibble_rows_loops, in its order."""
+            A unit's 16 rows lie in one 64-byte vector per quad p of positions, a row's four bytes in
+            one int32 lane (nibbles: low ones positions 4p..4p+3, high ones 16 + 4p..; bytes: 4p..4p+3
+            of 8 quads). Loaded (and for nibbles masked and shifted) once, they serve every token of
+            the tile, whose 4 activation bytes for the quad are broadcast to all lanes: one
+            vpbroadcastd from L1, where the position-major planes read a copy per lane. vnni:
+            vpdpbusd adds a lane's 4 products into int32, in two chains. avx2: two 8-lane halves,
+            vpmaddubsw pairs into int16 (nibbles: <= 2 * 15 * 127, a quad's two sums <= 7620; bytes:
+            the sign trick, |w| times x with w's sign, <= 2 * 128 * 127), vpmaddwd by ones to int32.
+            The integers are exact; the fp32 steps are those of _w4a8_rows_loops, in its order."""
             types = _numba.types
             if (codes.dtype, scales.dtype, q.dtype, x_sum.dtype, x_scale.dtype, acc.dtype) != (
                     types.uint8, types.float32, types.int8, types.int32, types.float32, types.float32):
@@ -555,13 +557,19 @@ if _numba:
                 K = cgutils.unpack_tuple(builder, Q.shape, 2)[1]
                 U = cgutils.unpack_tuple(builder, XS.shape, 2)[1]
                 low_nibbles, four = ir.Constant(words, [0x0F0F0F0F] * W), ir.Constant(words, [4] * W)
+                unit_bytes, offset = (256, 8) if nibbles else (512, QUAD_BIAS)
                 if QUAD_FAMILY == "vnni":
                     vpdpbusd = function("llvm.x86.avx512.vpdpbusd.512", words, words, words, words)
                 else:
-                    bytes32, shorts = ir.VectorType(i8, 32), ir.VectorType(ir.IntType(16), 16)
+                    bytes32, shorts, i1 = ir.VectorType(i8, 32), ir.VectorType(ir.IntType(16), 16), ir.IntType(1)
                     maddubs = function("llvm.x86.avx2.pmadd.ub.sw", shorts, bytes32, bytes32)
                     maddwd = function("llvm.x86.avx2.pmadd.wd", words, shorts, shorts)
+                    sign = function("llvm.x86.avx2.psign.b", bytes32, bytes32, bytes32)
+                    absolute = function("llvm.abs.v32i8", bytes32, bytes32, i1)
                     ones = ir.Constant(shorts, [1] * 16)
+
+                    def pairs(unsigned, signed):
+                        return builder.call(maddubs, [builder.bitcast(unsigned, bytes32), builder.bitcast(signed, bytes32)])
 
                 def splat(value, vector):
                     one = builder.insert_element(ir.Constant(vector, None), value, ir.Constant(i32, 0))
@@ -570,40 +578,48 @@ if _numba:
                 def load(pointer, vector, at, align):
                     return builder.load(builder.bitcast(builder.gep(pointer, [at]), vector.as_pointer()), align=align)
 
+                # (weight vectors [half], activation offset in the unit) for each quad a lane sums
+                quads = [(p, 4 * p) for p in range(4)] + [(p, 16 + 4 * p) for p in range(4)] if nibbles else \
+                    [(p, 4 * p) for p in range(8)]
                 totals = [[cgutils.alloca_once(builder, floats) for _ in range(halves)] for _ in range(tokens)]
                 for total in sum(totals, []):
                     builder.store(ir.Constant(floats, None), total)
                 with cgutils.for_range(builder, U) as unit:
                     v = unit.index
-                    base = builder.add(builder.mul(g, row_bytes), builder.mul(v, const(256)))
-                    low, high = [], []  # [p][half]
-                    for p in range(4):
-                        quad = [load(C.data, words, builder.add(base, const(64 * p + 4 * W * h)), 1) for h in range(halves)]
-                        low.append([builder.and_(c, low_nibbles) for c in quad])
-                        high.append([builder.and_(builder.lshr(c, four), low_nibbles) for c in quad])
+                    base = builder.add(builder.mul(g, row_bytes), builder.mul(v, const(unit_bytes)))
+                    stored = [[load(C.data, words, builder.add(base, const(64 * p + 4 * W * h)), 1) for h in range(halves)]
+                              for p in range(unit_bytes // 64)]
+                    if nibbles:  # shifting each 32-bit lane by 4 moves every byte's high nibble down
+                        weights = [[builder.and_(c, low_nibbles) for c in quad] for quad in stored] + \
+                                  [[builder.and_(builder.lshr(c, four), low_nibbles) for c in quad] for quad in stored]
+                    else:
+                        weights = stored
                     weight_scale = [load(S.data, floats, builder.add(builder.mul(v, const(16)), const(W * h)), 4) for h in range(halves)]
                     for i in range(tokens):
                         row = builder.add(t0, const(i))
                         x_at = builder.add(builder.mul(row, K), builder.mul(v, const(32)))
-                        x_low = [splat(load(Q.data, i32, builder.add(x_at, const(4 * p)), 1), words) for p in range(4)]
-                        x_high = [splat(load(Q.data, i32, builder.add(x_at, const(16 + 4 * p)), 1), words) for p in range(4)]
+                        x = [splat(load(Q.data, i32, builder.add(x_at, const(at)), 1), words) for _, at in quads]
                         unit_at = builder.add(builder.mul(row, U), v)
-                        bias = splat(builder.mul(builder.load(builder.gep(XS.data, [unit_at])), ir.Constant(i32, 8)), words)
+                        bias = splat(builder.mul(builder.load(builder.gep(XS.data, [unit_at])), ir.Constant(i32, offset)), words)
                         scale = splat(builder.load(builder.gep(XC.data, [unit_at])), floats)
                         for h in range(halves):
                             if QUAD_FAMILY == "vnni":
                                 sums = [ir.Constant(words, None)] * 2
-                                for p in range(4):
-                                    sums = [builder.call(vpdpbusd, [sums[0], low[p][h], x_low[p]]),
-                                            builder.call(vpdpbusd, [sums[1], high[p][h], x_high[p]])]
+                                for j, w in enumerate(weights):
+                                    sums[j % 2] = builder.call(vpdpbusd, [sums[j % 2], w[h], x[j]])
                                 dot = builder.add(sums[0], sums[1])
+                            elif nibbles:  # a quad's low and high nibbles' pairs add in int16, then widen
+                                dot = ir.Constant(words, None)
+                                for j in range(4):
+                                    both = builder.add(pairs(weights[j][h], x[j]), pairs(weights[4 + j][h], x[4 + j]))
+                                    dot = builder.add(dot, builder.call(maddwd, [both, ones]))
                             else:
                                 dot = ir.Constant(words, None)
-                                for p in range(4):
-                                    pairs = builder.add(
-                                        builder.call(maddubs, [builder.bitcast(low[p][h], bytes32), builder.bitcast(x_low[p], bytes32)]),
-                                        builder.call(maddubs, [builder.bitcast(high[p][h], bytes32), builder.bitcast(x_high[p], bytes32)]))
-                                    dot = builder.add(dot, builder.call(maddwd, [pairs, ones]))
+                                for j, w in enumerate(weights):
+                                    levels = builder.bitcast(w[h], bytes32)
+                                    magnitude = builder.call(absolute, [levels, ir.Constant(i1, 0)])  # -128 -> 0x80, 128 unsigned
+                                    signed_x = builder.call(sign, [builder.bitcast(x[j], bytes32), levels])  # x * sign(w)
+                                    dot = builder.add(dot, builder.call(maddwd, [pairs(magnitude, signed_x), ones]))
                             term = builder.fmul(builder.sitofp(builder.sub(dot, bias), floats), builder.fmul(weight_scale[h], scale))
                             builder.store(builder.fadd(builder.load(totals[i][h]), term), totals[i][h])
                 acc_row = cgutils.unpack_tuple(builder, A.shape, 2)[1]
@@ -615,11 +631,12 @@ if _numba:
 
             return signature, codegen
 
-        return intrinsic(nibble_rows_tile)
+        return intrinsic(rows_tile)
 
-    # tiles of 8 token rows (8 weight vectors, 8 totals and the broadcasts: ~20 of AVX-512's 32
-    # registers), then one of 4, 2 and 1 for the rows left
-    _nibble_rows_8, _nibble_rows_4, _nibble_rows_2, _nibble_rows_1 = (_nibble_rows_tile(tokens) for tokens in (8, 4, 2, 1))
+    # tiles of 8 token rows (8 weight vectors, 8 totals and the broadcasts: ~24 of AVX-512's 32
+    # registers), then one of 4, 2 and 1 for the rows left; nibble and byte codes alike
+    _nibble_rows_8, _nibble_rows_4, _nibble_rows_2, _nibble_rows_1 = (_rows_tile(tokens, nibbles=True) for tokens in (8, 4, 2, 1))
+    _byte_rows_8, _byte_rows_4, _byte_rows_2, _byte_rows_1 = (_rows_tile(tokens, nibbles=False) for tokens in (8, 4, 2, 1))
 
 
 @_jit(fastmath=True, inline="always")  # inlined into numba's IR: a call left to LLVM stops the vectorizer
@@ -748,72 +765,91 @@ def _w4a8_byte_quads(codes, scale, minimum, x, x_scale, x_sum, lane_sum, R, out,
         _subtract_minimum(minimum, g, x_sum, x_scale, R, acc, out)
 
 
-NIBBLE_ROWS = 16  # weight rows a NibbleRows group holds: one vpdpbusd's int32 lanes (two AVX2 vectors)
-# token rows a nibble_rows tile runs on a group's weights (AVX2's 16 registers hold a tile of 2 without spilling)
-NIBBLE_TILE = 8 if QUAD_FAMILY == "vnni" else 2
+ROWS = 16  # weight rows a RowPlanes group holds: one vpdpbusd's int32 lanes (two AVX2 vectors)
+# token rows a rows_tile runs on a group's weights (AVX2's 16 registers hold a tile of 2 without spilling)
+ROWS_TILE = 8 if QUAD_FAMILY == "vnni" else 2
+
+
+@_jit(inline="always")
+def _rows_tile_of(nibbles, tokens, codes, scale, q, x_sum, x_scale, acc, g, t):
+    """rows_tile for `tokens` (8, 4, 2 or 1) token rows from t, of nibble or byte codes."""
+    if nibbles:
+        if tokens == 8:
+            _nibble_rows_8(codes, scale, q, x_sum, x_scale, acc, g, t)
+        elif tokens == 4:
+            _nibble_rows_4(codes, scale, q, x_sum, x_scale, acc, g, t)
+        elif tokens == 2:
+            _nibble_rows_2(codes, scale, q, x_sum, x_scale, acc, g, t)
+        else:
+            _nibble_rows_1(codes, scale, q, x_sum, x_scale, acc, g, t)
+    elif tokens == 8:
+        _byte_rows_8(codes, scale, q, x_sum, x_scale, acc, g, t)
+    elif tokens == 4:
+        _byte_rows_4(codes, scale, q, x_sum, x_scale, acc, g, t)
+    elif tokens == 2:
+        _byte_rows_2(codes, scale, q, x_sum, x_scale, acc, g, t)
+    else:
+        _byte_rows_1(codes, scale, q, x_sum, x_scale, acc, g, t)
 
 
 @_jit()
-def _w4a8_nibble_rows(codes, scale, q, x_sum, x_scale, out, lo, hi):
-    """W4 / Q4_0 on w4a8 through nibble_rows_tile (int8_dot_kernels' "vnni" or "avx2"): groups [lo, hi)
-    of NibbleRows' codes [G, U * 256] and scale [G, U * 16] (fp32, or Q4_0's f16 bits) against q int8
-    [T, K] (the activation levels as they are), x_sum int32 [T, U], x_scale fp32 [T, U], into out [T, N].
-    Every token row of the call runs on a group's 16 rows (8 KB of codes at K = 1024, in L1) before
-    the next group, so a prefill reads each weight once; per token row _w4a8_nibble_rows_loops' bits."""
+def _w4a8_rows(codes, scale, q, x_sum, x_scale, out, lo, hi):
+    """W4, Q4_0 and Q8_0 on w4a8 through rows_tile (int8_dot_kernels' "vnni" or "avx2"): groups [lo, hi)
+    of RowPlanes' codes [G, U * 256 (nibbles) or U * 512] and scale [G, U * 16] (fp32, or the blocks'
+    f16 bits) against q int8 [T, K] (the activation levels as they are), x_sum int32 [T, U], x_scale
+    fp32 [T, U], into out [T, N]. Every token row of the call runs on a group's 16 rows (8 KB of Q4_0
+    codes at K = 1024, in L1) before the next group, so a prefill reads each weight once; per token
+    row _w4a8_rows_loops' bits."""
     T, N = out.shape
-    acc = np.empty((NIBBLE_TILE, NIBBLE_ROWS), np.float32)
+    nibbles = codes.shape[1] == 256 * x_sum.shape[1]
+    acc = np.empty((ROWS_TILE, ROWS), np.float32)
     scratch = np.empty(scale.shape[1], np.uint32)
     for g in range(lo, hi):
         group_scale = unit_scales(scale[g], scratch)
-        rows = min(NIBBLE_ROWS, N - g * NIBBLE_ROWS)
+        rows = min(ROWS, N - g * ROWS)
         t = 0
         while t < T:
-            if T - t >= NIBBLE_TILE:
-                tile = NIBBLE_TILE
-                if NIBBLE_TILE == 8:
-                    _nibble_rows_8(codes, group_scale, q, x_sum, x_scale, acc, g, t)
-                else:
-                    _nibble_rows_2(codes, group_scale, q, x_sum, x_scale, acc, g, t)
-            elif T - t >= 4:
-                tile = 4
-                _nibble_rows_4(codes, group_scale, q, x_sum, x_scale, acc, g, t)
-            elif T - t >= 2:
-                tile = 2
-                _nibble_rows_2(codes, group_scale, q, x_sum, x_scale, acc, g, t)
-            else:
-                tile = 1
-                _nibble_rows_1(codes, group_scale, q, x_sum, x_scale, acc, g, t)
+            tile = ROWS_TILE if T - t >= ROWS_TILE else 4 if T - t >= 4 else 2 if T - t >= 2 else 1
+            _rows_tile_of(nibbles, tile, codes, group_scale, q, x_sum, x_scale, acc, g, t)
             for i in range(tile):
                 for r in range(rows):
-                    out[t + i, g * NIBBLE_ROWS + r] = acc[i, r]
+                    out[t + i, g * ROWS + r] = acc[i, r]
             t += tile
 
 
 @_jit()
-def _w4a8_nibble_rows_loops(codes, scale, q, x_sum, x_scale, out, lo, hi):
-    """_w4a8_nibble_rows in plain loops (the "generic" family), the same numbers in the same order:
-    per token row t and weight row n = 16 g + r, total = 0, then for each unit v in order
-    total += fp32(dot - 8 x_sum[t, v]) * (scale[g, v * 16 + r] * x_scale[t, v]), dot the unit's
-    32 products of (code nibble) x level, exact in int32 (byte (v, p, r, s) of a group: positions
-    4p + s low and 16 + 4p + s high)."""
+def _w4a8_rows_loops(codes, scale, q, x_sum, x_scale, out, lo, hi):
+    """_w4a8_rows in plain loops (the "generic" family), the same numbers in the same order: per
+    token row t and weight row n = 16 g + r, total = 0, then for each unit v in order total +=
+    fp32(dot - offset x_sum[t, v]) * (scale[g, v * 16 + r] * x_scale[t, v]), dot the unit's 32
+    products of stored code x level, exact in int32. Nibbles (offset 8): byte (v, p, r, s) of a
+    group holds positions 4p + s (low) and 16 + 4p + s (high); bytes (offset 0 here, where levels
+    are stored as they are): byte (v, p, r, s) position 4p + s, p < 8."""
     T, N = out.shape
     U = x_sum.shape[1]
+    nibbles = codes.shape[1] == 256 * U
     scratch = np.empty(scale.shape[1], np.uint32)
     for g in range(lo, hi):
         group_scale = unit_scales(scale[g], scratch)
         c = codes[g]
         for t in range(T):
-            for r in range(min(NIBBLE_ROWS, N - g * NIBBLE_ROWS)):
+            for r in range(min(ROWS, N - g * ROWS)):
                 total = np.float32(0)
                 for v in range(U):
                     dot = np.int32(0)
-                    for p in range(4):
-                        for s in range(4):
-                            byte = np.int32(c[v * 256 + p * 64 + r * 4 + s])
-                            dot += (byte & 15) * np.int32(q[t, v * 32 + 4 * p + s]) + (byte >> 4) * np.int32(q[t, v * 32 + 16 + 4 * p + s])
-                    term = np.float32(dot - 8 * x_sum[t, v]) * (group_scale[v * NIBBLE_ROWS + r] * x_scale[t, v])
+                    if nibbles:
+                        for p in range(4):
+                            for s in range(4):
+                                byte = np.int32(c[v * 256 + p * 64 + r * 4 + s])
+                                dot += (byte & 15) * np.int32(q[t, v * 32 + 4 * p + s]) + (byte >> 4) * np.int32(q[t, v * 32 + 16 + 4 * p + s])
+                        dot -= 8 * x_sum[t, v]
+                    else:
+                        for p in range(8):
+                            for s in range(4):
+                                dot += np.int32(np.int8(c[v * 512 + p * 64 + r * 4 + s])) * np.int32(q[t, v * 32 + 4 * p + s])
+                    term = np.float32(dot) * (group_scale[v * ROWS + r] * x_scale[t, v])
                     total = total + term
-                out[t, g * NIBBLE_ROWS + r] = total
+                out[t, g * ROWS + r] = total
 
 
 @_jit()
@@ -869,7 +905,7 @@ def _int8_lanes(x, unit, R, offsets, width, q, x_scale, x_sum, lane_sum, lo, hi)
     q for the position-major byte kernel, else int8). x_scale fp32 [T, L]: the scale of the 32-input
     block holding the lane's unit (absmax / 127); x_sum fp32 [T, U]: each unit's sum of levels, and
     lane_sum int32 [T, L] the same for each lane (what the quad kernels subtract). With R = 1, offsets
-    0..unit-1 and width = unit every level lands where its input is (W4A8NibbleLinear's layout).
+    0..unit-1 and width = unit every level lands where its input is (W4A8RowsLinear's layout).
     Levels round half to even (np.rint), as quantize_int8_blocks: the same bits. Token rows [lo, hi)."""
     K = x.shape[1]
     per_block = ACT_BLOCK // unit  # units an activation scale covers (2 for Q6_K's 16)
@@ -1271,15 +1307,15 @@ def _w4a8_byte_quads_parts(args, n, parts):
 
 
 @_parallel_jit
-def _w4a8_nibble_rows_parts(args, n, parts):
+def _w4a8_rows_parts(args, n, parts):
     for p in _prange(parts):
-        _w4a8_nibble_rows(*args, n * p // parts, n * (p + 1) // parts)
+        _w4a8_rows(*args, n * p // parts, n * (p + 1) // parts)
 
 
 @_parallel_jit
-def _w4a8_nibble_rows_loops_parts(args, n, parts):
+def _w4a8_rows_loops_parts(args, n, parts):
     for p in _prange(parts):
-        _w4a8_nibble_rows_loops(*args, n * p // parts, n * (p + 1) // parts)
+        _w4a8_rows_loops(*args, n * p // parts, n * (p + 1) // parts)
 
 
 @_parallel_jit
@@ -1331,7 +1367,7 @@ def _deltanet_heads_parts(args, n, parts):
 
 
 _PARTS_DRIVERS = {_w4a8_bytes: _w4a8_bytes_parts, _w4a8_byte_quads: _w4a8_byte_quads_parts,
-                  _w4a8_nibble_rows: _w4a8_nibble_rows_parts, _w4a8_nibble_rows_loops: _w4a8_nibble_rows_loops_parts,
+                  _w4a8_rows: _w4a8_rows_parts, _w4a8_rows_loops: _w4a8_rows_loops_parts,
                   _w4a16_nibbles: _w4a16_nibbles_parts, _dense: _dense_parts, _dense_bf16: _dense_bf16_parts,
                   _bf16_lanes: _bf16_lanes_parts, _w4a16_lanes: _w4a16_lanes_parts, deltanet_heads: _deltanet_heads_parts, _int8_lanes: _int8_lanes_parts,
                   swiglu_rows: _swiglu_rows_parts}
@@ -1344,9 +1380,8 @@ class UnitPlanes:
     codes    `nibbles` (W4 for the w4a16 loops; levels -8..7 + 8, two a byte): uint8 [G, unit/4, L, 2],
              byte (p, lane, s) holding positions 2p + s and unit/2 + 2p + s. Else one level a byte:
              int8 [G, unit, L]; or, `quads`, uint8 [G, unit/4, L, 4], level + QUAD_BIAS of position
-             4p + s (as this CPU's quad_columns reads it). (W4 and Q4_0 on w4a8: NibbleRows.)
-    scale    [G, L]: the weight scale of each unit, fp32 (bf16 or a product of f16s, exact), or
-             uint16 f16 bits for Q8_0, as its blocks hold them (half the bytes)
+             4p + s (as this CPU's quad_columns reads it). (W4, Q4_0 and Q8_0 on w4a8: RowPlanes.)
+    scale    [G, L]: the weight scale of each unit, fp32 (bf16 or a product of f16s, exact)
     minimum  fp32 [G, L] for Q4_K / Q5_K, else [G, 0]
     Rows past N (the last group's padding) have level 0 and scale 0.
     """
@@ -1409,9 +1444,8 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int, quads: boo
     width = 4 if quads else 2 if nibbles else 1  # adjacent positions a lane
     positions = unit // 2 if nibbles else unit  # bytes a unit has in a row
     codes = np.empty((G, positions // width, R * U, width), np.uint8 if quads or nibbles else np.int8)
-    flip = QUAD_BIAS if quads and not nibbles else 0  # level + 128 on vnni (stored blocks' bytes: level ^ 0x80, the same)
-    as_stored = isinstance(weight, BlockMatrix) and weight.qtype.name == "Q8_0" and unit == 32
-    scale = np.empty((G, R * U), np.uint16 if as_stored else np.float32)  # Q8_0: its f16 bits
+    flip = QUAD_BIAS if quads and not nibbles else 0  # level + 128 on vnni
+    scale = np.empty((G, R * U), np.float32)
     has_minimum = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_K", "Q5_K")
     minimum = np.empty((G, R * U if has_minimum else 0), np.float32)
     step = R * max(1, REPACK_ROWS_WEIGHTS // K // R)  # whole groups
@@ -1430,16 +1464,10 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int, quads: boo
         for start in range(lo * step, min(N, hi * step), step):
             stop = min(N, start + step)
             first, last = start // R, -(-stop // R)
-            if as_stored:  # each block is one unit already: its bytes move, nothing is decoded
-                _blocks_to_lanes(weight.raw, codes.view(np.uint8), first, last, R, 2, flip)
-                blocks = weight.raw[start:stop].reshape(stop - start, U, -1)  # [r, U, 2 + payload]
-                unit_scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16)[..., 0]  # f16 bits
-                unit_minimum = None
-            else:
-                by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)
-                laid = lanes(by_unit)  # [g, positions, L]: nibbles' byte j holds positions j and j + unit/2
-                by_width = laid.reshape(last - first, positions // width, width, R * U).transpose(0, 1, 3, 2)
-                codes[first:last] = by_width.astype(np.int16) + flip if flip else by_width
+            by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)
+            laid = lanes(by_unit)  # [g, positions, L]: nibbles' byte j holds positions j and j + unit/2
+            by_width = laid.reshape(last - first, positions // width, width, R * U).transpose(0, 1, 3, 2)
+            codes[first:last] = by_width.astype(np.int16) + flip if flip else by_width
             scale[first:last] = lanes(unit_scale)
             if has_minimum:
                 minimum[first:last] = lanes(unit_minimum)
@@ -1448,25 +1476,6 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int, quads: boo
 
     in_parallel(chunks, -(-N // step))
     return UnitPlanes(codes, scale, minimum, N, R, unit, nibbles, quads)
-
-
-@_jit()
-def _blocks_to_lanes(raw, codes, first, last, R, skip, flip):
-    """Q8_0 blocks [N, U * block] (bytes) -> codes of groups [first, last) ([G, P, U * R, width]).
-    A block is one unit of 32 with its bytes as the kernels read them after `skip` bytes of f16
-    scale (byte j is position j), so byte width * p + s of row g * R + r's block v goes to
-    codes[g, p, v * R + r, s], xor `flip`; rows past N get level 0 (`flip`)."""
-    N = raw.shape[0]
-    steps, L, width = codes.shape[1], codes.shape[2], codes.shape[3]
-    U = L // R
-    block = raw.shape[1] // U
-    for g in range(first, last):
-        for r in range(R):
-            n = g * R + r
-            for v in range(U):
-                for p in range(steps):
-                    for s in range(width):
-                        codes[g, p, v * R + r, s] = raw[n, v * block + skip + p * width + s] ^ flip if n < N else flip
 
 
 def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int, unit: int, nibbles: bool):
@@ -1489,75 +1498,88 @@ def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int
 
 
 @dataclass(frozen=True)
-class NibbleRows:
-    """W4 or Q4_0 levels (+ 8, two a byte) as _w4a8_nibble_rows reads them: NIBBLE_ROWS weight rows
-    side by side in a group, by units of 32 inputs.
+class RowPlanes:
+    """W4, Q4_0 or Q8_0 levels as _w4a8_rows reads them: ROWS weight rows side by side in a group,
+    by units of 32 inputs, a row's four bytes of a quad of positions in one int32 lane.
 
-    codes  uint8 [G, U * 256]: group g's byte v * 256 + p * 64 + r * 4 + s holds row 16 g + r's
-           positions 4p + s (low nibble) and 16 + 4p + s (high) of unit v: Q4_0's own block bytes
-           2 + 4p + s, a 16-row vector of them per quad p
-    scale  [G, U * 16]: unit v's scale of row 16 g + r at v * 16 + r; Q4_0's f16 bits as its blocks
+    codes  uint8 [G, U * 256] `nibbles` (W4, Q4_0: level + 8, two a byte): group g's byte
+           v * 256 + p * 64 + r * 4 + s holds row 16 g + r's positions 4p + s (low nibble) and
+           16 + 4p + s (high) of unit v, Q4_0's own block bytes 2 + 4p + s; or [G, U * 512] (Q8_0:
+           one level a byte, + QUAD_BIAS as this CPU's rows_tile reads it): byte v * 512 + p * 64 +
+           r * 4 + s is position 4p + s, Q8_0's block byte 2 + 4p + s
+    scale  [G, U * 16]: unit v's scale of row 16 g + r at v * 16 + r; the blocks' f16 bits as they
            hold them, or fp32 (W4's bf16 group scale for each of its units)
     Rows past N (the last group's padding) have level 0 and scale 0."""
 
     codes: np.ndarray
     scale: np.ndarray
     rows: int
+    nibbles: bool
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.rows, self.codes.shape[1] // 8
+        return self.rows, self.codes.shape[1] // (8 if self.nibbles else 16)
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes
 
+    def leading(self, groups: int) -> RowPlanes:
+        """The first `groups` groups alone (views, no copy)."""
+        return replace(self, codes=self.codes[:groups], scale=self.scale[:groups], rows=groups * ROWS)
 
-def repack_nibble_rows(weight: W4Weight | BlockMatrix) -> NibbleRows:
-    """A W4 or Q4_0 matrix as NibbleRows, a chunk of groups at a time split between the cores: Q4_0's
-    bytes move as they are (_q4_0_to_rows), W4's levels come through its codec."""
+
+def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
+    """A W4, Q4_0 or Q8_0 matrix as RowPlanes, a chunk of groups at a time split between the cores:
+    the blocks' bytes move as they are (_blocks_to_rows; Q8_0's levels xor `flip`, QUAD_BIAS for
+    vnni), W4's levels come through its codec."""
     N, K = weight.shape
-    U, G = K // 32, -(-N // NIBBLE_ROWS)
+    U, G = K // 32, -(-N // ROWS)
     as_stored = isinstance(weight, BlockMatrix)
-    codes = np.empty((G, U * 256), np.uint8)
-    scale = np.empty((G, U * NIBBLE_ROWS), np.uint16 if as_stored else np.float32)
-    step = max(1, REPACK_ROWS_WEIGHTS // K // NIBBLE_ROWS)  # groups at a time
+    nibbles = not as_stored or weight.qtype.name == "Q4_0"
+    codes = np.empty((G, U * (256 if nibbles else 512)), np.uint8)
+    scale = np.empty((G, U * ROWS), np.uint16 if as_stored else np.float32)
+    step = max(1, REPACK_ROWS_WEIGHTS // K // ROWS)  # groups at a time
 
     def chunks(lo: int, hi: int) -> None:
         for first in range(lo * step, min(G, hi * step), step):
             last = min(G, first + step)
-            start, stop = first * NIBBLE_ROWS, min(N, last * NIBBLE_ROWS)
+            start, stop = first * ROWS, min(N, last * ROWS)
             if as_stored:
-                _q4_0_to_rows(weight.raw, codes, scale, first, last)
+                _blocks_to_rows(weight.raw, codes, scale, first, last, 0 if nibbles else flip, 0x88 if nibbles else flip)
                 release_file_pages(weight.raw[start:stop])
                 continue
             by_unit, unit_scale, _ = _units(weight, start, stop, 32, nibbles=True)  # [r, 16, U], [r, U]
-            pad = (last - first) * NIBBLE_ROWS - (stop - start)
+            pad = (last - first) * ROWS - (stop - start)
             by_unit = np.concatenate([by_unit, np.full((pad, *by_unit.shape[1:]), 0x88, np.uint8)])
             unit_scale = np.concatenate([unit_scale, np.zeros((pad, U), np.float32)])
-            quads = by_unit.transpose(0, 2, 1).reshape(last - first, NIBBLE_ROWS, U, 4, 4)  # [g, r, v, p, s]
+            quads = by_unit.transpose(0, 2, 1).reshape(last - first, ROWS, U, 4, 4)  # [g, r, v, p, s]
             codes[first:last] = quads.transpose(0, 2, 3, 1, 4).reshape(last - first, -1)
-            scale[first:last] = unit_scale.reshape(last - first, NIBBLE_ROWS, U).transpose(0, 2, 1).reshape(last - first, -1)
+            scale[first:last] = unit_scale.reshape(last - first, ROWS, U).transpose(0, 2, 1).reshape(last - first, -1)
 
     in_parallel(chunks, -(-G // step))
-    return NibbleRows(codes, scale, N)
+    return RowPlanes(codes, scale, N, nibbles)
 
 
 @_jit()
-def _q4_0_to_rows(raw, codes, scale, first, last):
-    """Q4_0 blocks [N, U * 18] (bytes: f16 scale, then byte j holding positions j and j + 16 as
-    nibble + 8) -> NibbleRows codes and f16 scale bits of groups [first, last); rows past N get
-    level 0 (0x88) and scale 0."""
+def _blocks_to_rows(raw, codes, scale, first, last, flip, fill):
+    """Q4_0 or Q8_0 blocks [N, U * (2 + payload)] (bytes: f16 scale, then the payload: Q4_0's byte j
+    holding positions j and j + 16 as nibble + 8, Q8_0's byte j position j) -> RowPlanes codes and
+    f16 scale bits of groups [first, last): payload byte j of row 16 g + r's block v to codes[g,
+    v * 16 * payload + j // 4 * 64 + r * 4 + j % 4], xor flip; rows past N get `fill` and scale 0."""
     N = raw.shape[0]
-    U = scale.shape[1] // NIBBLE_ROWS
+    U = scale.shape[1] // ROWS
+    block = raw.shape[1] // U
+    payload = block - 2
     for g in range(first, last):
-        for r in range(NIBBLE_ROWS):
-            n = g * NIBBLE_ROWS + r
+        for r in range(ROWS):
+            n = g * ROWS + r
             for v in range(U):
-                block = v * 18
-                for j in range(16):
-                    codes[g, v * 256 + j // 4 * 64 + r * 4 + j % 4] = raw[n, block + 2 + j] if n < N else np.uint8(0x88)
-                scale[g, v * NIBBLE_ROWS + r] = (np.uint16(raw[n, block]) | (np.uint16(raw[n, block + 1]) << np.uint16(8))) if n < N else np.uint16(0)
+                for j in range(payload):
+                    at = v * 16 * payload + j // 4 * 64 + r * 4 + j % 4
+                    codes[g, at] = raw[n, v * block + 2 + j] ^ flip if n < N else fill
+                bits = np.uint16(raw[n, v * block]) | (np.uint16(raw[n, v * block + 1]) << np.uint16(8)) if n < N else np.uint16(0)
+                scale[g, v * ROWS + r] = bits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1610,7 +1632,7 @@ class TiledLinear(cpu.Linear):
 
 
 class W4A8Linear(TiledLinear):
-    """`w4a8` on GGUF blocks other than Q4_0 (W4A8NibbleLinear's): activations int8 per 32 inputs
+    """`w4a8` on the GGUF blocks W4A8RowsLinear does not take: activations int8 per 32 inputs
     (absmax, fp32 scale), an integer dot per unit, fp32 rescale, as cpu.W4A8Linear; sums in unit
     order (_w4a8_bytes, or _w4a8_byte_quads: `kernels` is one of int8_dot_kernels(), the first by default)."""
 
@@ -1640,19 +1662,20 @@ class W4A8Linear(TiledLinear):
         return _w4a8_bytes, (p.flat_codes, p.scale, p.minimum, q, x_scale, x_sum, p.group, out)
 
 
-class W4A8NibbleLinear(cpu.Linear):
-    """`w4a8` on W4 and Q4_0, as cpu.W4A8Linear: activations int8 per 32 inputs (absmax, fp32 scale),
-    an integer dot per unit, fp32 rescale, the units summed in order (NibbleRows, _w4a8_nibble_rows;
-    `kernels` as W4A8Linear's, "generic" running _w4a8_nibble_rows_loops for the same bits). The
-    activations stay one byte a level, as quantized, for the kernel to broadcast: a call of any
-    length is one pass over the weights."""
+class W4A8RowsLinear(cpu.Linear):
+    """`w4a8` on W4, Q4_0 and Q8_0, as cpu.W4A8Linear: activations int8 per 32 inputs (absmax, fp32
+    scale), an integer dot per unit, fp32 rescale, the units summed in order (RowPlanes, _w4a8_rows;
+    `kernels` as W4A8Linear's, "generic" running _w4a8_rows_loops for the same bits). The activations
+    stay one byte a level, as quantized, for the kernel to broadcast: a call of any length is one
+    pass over the weights."""
 
     route = "w4a8"
     UNIT_OFFSETS = np.arange(32)  # _int8_lanes' layout with one lane a unit: each level where its input is
 
     def __init__(self, weight: W4Weight | BlockMatrix, kernels: str | None = None):
-        self.planes = repack_nibble_rows(weight)
-        self.kernel = _w4a8_nibble_rows_loops if (kernels or QUAD_FAMILY) == "generic" else _w4a8_nibble_rows
+        family = kernels or QUAD_FAMILY
+        self.planes = repack_rows(weight, flip=QUAD_BIAS if family == "vnni" else 0)
+        self.kernel = _w4a8_rows_loops if family == "generic" else _w4a8_rows
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -1679,21 +1702,20 @@ class W4A8NibbleLinear(cpu.Linear):
         split_kernel(self.kernel, (p.codes, p.scale, *self.prepare(x), out), p.codes.shape[0], split=N * K >= SPLIT_MIN_WEIGHTS)
         return out
 
-    def leading_rows(self, stop: int) -> W4A8NibbleLinear | None:
+    def leading_rows(self, stop: int) -> W4A8RowsLinear | None:
         """This Linear over weight rows 0..stop-1 alone, reading the same codes (no copy): the draft
         shortlist's leading block of the head. None when stop does not end a group of rows."""
-        p = self.planes
-        if stop % NIBBLE_ROWS or stop > p.rows:
+        if stop % ROWS or stop > self.planes.rows:
             return None
         leading = copy.copy(self)
-        leading.planes = NibbleRows(p.codes[: stop // NIBBLE_ROWS], p.scale[: stop // NIBBLE_ROWS], stop)
+        leading.planes = self.planes.leading(stop // ROWS)
         return leading
 
 
-def w4a8_linear(weight: W4Weight | BlockMatrix, kernels: str | None = None) -> W4A8NibbleLinear | W4A8Linear:
-    """The compiled `w4a8` Linear: nibble levels (W4, Q4_0) in NibbleRows, other blocks in UnitPlanes."""
-    nibbles = isinstance(weight, W4Weight) or weight.qtype.name == "Q4_0"
-    return W4A8NibbleLinear(weight, kernels) if nibbles else W4A8Linear(weight, kernels)
+def w4a8_linear(weight: W4Weight | BlockMatrix, kernels: str | None = None) -> W4A8RowsLinear | W4A8Linear:
+    """The compiled `w4a8` Linear: W4, Q4_0 and Q8_0 in RowPlanes, other blocks in UnitPlanes."""
+    rows = isinstance(weight, W4Weight) or weight.qtype.name in ("Q4_0", "Q8_0")
+    return W4A8RowsLinear(weight, kernels) if rows else W4A8Linear(weight, kernels)
 
 
 class TrellisLinear(TiledLinear):

@@ -96,7 +96,7 @@ def test_gguf_w4a8_within_the_sum_bound_of_gguf_reference(qtype, rows):
     weight = random_blocks(qtype, 48, 512, seed=qtype.value)
     x = activations(rows, 512, seed=rows)
     linear = compiled.make_linear(weight, "w4a8")
-    assert type(linear) is (compiled.W4A8NibbleLinear if qtype == Q.Q4_0 else compiled.W4A8Linear)
+    assert type(linear) is (compiled.W4A8RowsLinear if qtype in (Q.Q4_0, Q.Q8_0) else compiled.W4A8Linear)
     y = linear(x)
     assert y.dtype == np.float32 and y.shape == (rows, 48)
     assert_within_sum_bound(y, gguf_reference(weight), int8_activations(x), terms=512)
@@ -176,8 +176,8 @@ def test_activations_are_the_routes_int8_levels_bit_for_bit(qtype, kernels):
     assert lane_sum.dtype == np.int32 and np.array_equal(lane_sum, np.repeat(unit_sum, p.group, axis=1))
 
 
-def test_nibble_activations_are_the_routes_int8_levels_in_place():
-    """W4A8NibbleLinear keeps the levels where their inputs are, one byte each, with each unit's
+def test_row_plane_activations_are_the_routes_int8_levels_in_place():
+    """W4A8RowsLinear keeps the levels where their inputs are, one byte each, with each unit's
     level sum and scale: quantize_int8_blocks' numbers, bit for bit, the same edge cases as above."""
     linear = compiled.w4a8_linear(random_blocks(Q.Q4_0, 16, 256, seed=1))
     x = activations(3, 256, seed=2)
@@ -192,24 +192,31 @@ def test_nibble_activations_are_the_routes_int8_levels_in_place():
     assert np.array_equal(unit_scale.view(np.uint32), scale.astype(np.float32).view(np.uint32))
 
 
-def test_nibble_rows_hold_q4_0_blocks_and_w4_levels_as_laid_out():
-    """NibbleRows from Q4_0 blocks (their bytes moved as stored) and from W4 (through its codec):
-    group g's byte v * 256 + p * 64 + r * 4 + s is row 16 g + r's unit v positions 4p + s (low
-    nibble) and 16 + 4p + s (high), level + 8; scales per (unit, row); padding rows level 0, scale 0."""
-    for weight in (random_blocks(Q.Q4_0, 21, 96, seed=4), random_w4(21, 128, seed=5)):
+@pytest.mark.parametrize("flip", [0, 128])
+def test_row_planes_hold_blocks_and_w4_levels_as_laid_out(flip):
+    """RowPlanes from Q4_0 and Q8_0 blocks (their bytes moved as stored, Q8_0's xor `flip`) and from W4
+    (through its codec): group g's byte v * 256 + p * 64 + r * 4 + s is row 16 g + r's unit v
+    positions 4p + s (low nibble) and 16 + 4p + s (high), level + 8; Q8_0's v * 512 + p * 64 + r * 4
+    + s position 4p + s; scales per (unit, row); padding rows level 0, scale 0."""
+    for weight in (random_blocks(Q.Q4_0, 21, 96, seed=4), random_blocks(Q.Q8_0, 21, 96, seed=6), random_w4(21, 128, seed=5)):
         N, K = weight.shape
-        p = compiled.repack_nibble_rows(weight)
-        assert p.shape == (N, K) and p.codes.shape == (2, K // 32 * 256) and p.nbytes == p.codes.nbytes + p.scale.nbytes
+        p = compiled.repack_rows(weight, flip)
+        nibbles = not isinstance(weight, BlockMatrix) or weight.qtype == Q.Q4_0
+        assert p.shape == (N, K) and p.nibbles == nibbles and p.nbytes == p.codes.nbytes + p.scale.nbytes
+        assert p.codes.shape == (2, K // 32 * (256 if nibbles else 512))
         if isinstance(weight, BlockMatrix):
-            levels = np.rint(gguf_reference(weight) / np.repeat(weight.raw.reshape(N, -1, 18)[:, :, :2].copy().view(np.float16)[..., 0], 32, axis=1))
-            unit_scale = weight.raw.reshape(N, -1, 18)[:, :, :2].copy().view(np.uint16)[..., 0]
+            blocks = weight.raw.reshape(N, K // 32, -1)
+            unit_scale = blocks[:, :, :2].copy().view(np.uint16)[..., 0]
+            levels = np.rint(gguf_reference(weight) / np.repeat(unit_scale.view(np.float16), 32, axis=1))
         else:
             levels = unpack_levels(weight.packed).astype(np.float64)
             unit_scale = np.repeat((weight.scales.astype(np.uint32) << 16).view(np.float32), 4, axis=1)
-        codes = p.codes.reshape(2, K // 32, 4, 16, 4)  # [g, v, p, r, s]
-        low = (codes & 15).astype(np.int64) - 8
-        high = (codes >> 4).astype(np.int64) - 8
-        rows = np.concatenate([low, high], axis=2).transpose(0, 3, 1, 2, 4).reshape(32, K)  # [g r, v (low quads, high quads) s]
+        if nibbles:
+            codes = p.codes.reshape(2, K // 32, 4, 16, 4)  # [g, v, p, r, s]
+            quads = np.concatenate([(codes & 15).astype(np.int64) - 8, (codes >> 4).astype(np.int64) - 8], axis=2)
+        else:
+            quads = (p.codes.reshape(2, K // 32, 8, 16, 4) ^ np.uint8(flip)).view(np.int8).astype(np.int64)
+        rows = quads.transpose(0, 3, 1, 2, 4).reshape(32, K)  # [g r, v quads s]
         assert np.array_equal(rows[:N], levels) and not rows[N:].any()
         scales = p.scale.reshape(2, K // 32, 16).transpose(0, 2, 1).reshape(32, K // 32)
         assert np.array_equal(scales[:N], unit_scale) and not scales[N:].any()
@@ -243,8 +250,8 @@ def test_each_kernel_family_gives_the_same_bits(make):
     x = activations(40, weight.shape[1], seed=9) * np.float32(3)
     for family in kernels[:-1]:
         fast, generic = family_and_generic(weight, family)
-        if isinstance(fast, compiled.W4A8NibbleLinear):
-            assert (fast.kernel, generic.kernel) == (compiled._w4a8_nibble_rows, compiled._w4a8_nibble_rows_loops)
+        if isinstance(fast, compiled.W4A8RowsLinear):
+            assert (fast.kernel, generic.kernel) == (compiled._w4a8_rows, compiled._w4a8_rows_loops)
         else:
             assert fast.planes.quads and not generic.planes.quads
         for rows in (1, 2, 5, 16, 40):
@@ -503,17 +510,17 @@ def test_a_loaded_gguf_model_keeps_no_more_of_its_file_than_its_float_tensors():
 
 def test_the_draft_shortlist_reads_the_heads_own_planes():
     """A compiled head's leading rows serve as the draft shortlist without a copy (the 0.8B file's
-    65,536 rows were 72 MB more), with the head's bits; rows that end inside a group of R are copied."""
+    65,536 rows were 72 MB more), with the head's bits; rows that end inside a group are copied."""
     from duet.engine.backend.cpu_ops import CpuOps
 
-    matrix = random_blocks(Q.Q8_0, 1000, 256, seed=11)
-    head = compiled.make_linear(matrix, "w4a8")
-    assert head.planes.group == 8
-    x = activations(3, 256, seed=11)
-    for stop, shared in ((200, True), (203, False)):
-        part = CpuOps().shortlist_part(head, matrix, slice(0, stop), "w4a8")
-        assert np.shares_memory(part.planes.codes, head.planes.codes) is shared
-        np.testing.assert_array_equal(part(x), head(x)[:, :stop])
+    for matrix, group in ((random_blocks(Q.Q8_0, 1000, 256, seed=11), compiled.ROWS), (random_blocks(Q.Q6_K, 1000, 256, seed=12), 8)):
+        head = compiled.make_linear(matrix, "w4a8")
+        assert (head.planes.group if isinstance(head, compiled.W4A8Linear) else compiled.ROWS) == group
+        x = activations(3, 256, seed=11)
+        for stop, shared in ((25 * group, True), (25 * group + 3, False)):
+            part = CpuOps().shortlist_part(head, matrix, slice(0, stop), "w4a8")
+            assert np.shares_memory(part.planes.codes, head.planes.codes) is shared
+            np.testing.assert_array_equal(part(x), head(x)[:, :stop])
 
 
 def test_compile_kernels_reports_each_and_covers_what_models_pass():
@@ -525,14 +532,14 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     reports = []
     compiled.compile_kernels(lambda done, total: reports.append((done, total)))
     assert reports == [(i, len(reports)) for i in range(1, len(reports) + 1)] and len(reports) >= 5
-    w4a8 = [compiled._w4a8_nibble_rows, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] != "generic" else \
-        [compiled._w4a8_nibble_rows_loops, compiled._w4a8_bytes]
+    w4a8 = [compiled._w4a8_rows, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] != "generic" else \
+        [compiled._w4a8_rows_loops, compiled._w4a8_bytes]
     w4a16 = compiled._w4a16_lanes if compiled.w4a16_kernels()[0] == "avx512" else compiled._w4a16_nibbles
     kernels = [*w4a8, w4a16, compiled._dense, compiled.deltanet_heads,
                compiled.rms_norm_rows, compiled.add_rms_norm_rows, compiled.norm_rope_rows, compiled.swiglu_rows, compiled.conv_rows, compiled.attend_rows]
     drivers = [compiled.parts_driver(kernel) for kernel in kernels[:5]]  # the same kernels split between threads
     prepared = [len(kernel.signatures) for kernel in kernels + drivers]
-    assert prepared == [2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1] + [2, 2, 1, 1, 1]  # w4a8 kernels: fp32 scales and f16 bits (Q4_0, Q8_0)
+    assert prepared == [2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] + [2, 1, 1, 1, 1]  # RowPlanes: f16 bits (Q4_0, Q8_0) and fp32 scales (W4)
     models = Path(__file__).parents[2] / "models"
     for path in (models / "demo", models / "demo_int4", models / "demo_gguf" / "demo-q8_0.gguf"):
         lm = load_model(path)
