@@ -37,6 +37,10 @@ class KVCache:
         """Keys and values of rows [0, end) as a query whose last visible row is end - 1 reads them."""
         return self.keys[:, :end], self.values[:, :end]
 
+    def rows_at(self, indices: np.ndarray, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """rows(end) at the given rows alone (each < end): what a sparse (QSA) query reads."""
+        return self.keys[:, indices], self.values[:, indices]
+
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
@@ -93,16 +97,30 @@ class Q4KVCache:
     def rows(self, end: int) -> tuple[np.ndarray, np.ndarray]:
         exact_from = max(SINK_ROWS, end - RECENT_ROWS)
         sink = self.sink[:, : min(end, SINK_ROWS)]
-        middle = self._dequantize(SINK_ROWS, exact_from)
+        middle = self._dequantize(slice(SINK_ROWS, max(SINK_ROWS, exact_from)))
         recent = self.ring[:, np.arange(exact_from, end) % self.ring.shape[1]]
         both = np.concatenate([sink, middle, recent], axis=1)
         return both[..., 0], both[..., 1]
 
-    def _dequantize(self, start: int, end: int) -> np.ndarray:
-        if end <= start:
+    def rows_at(self, indices: np.ndarray, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """rows(end) at the given rows alone (each < end), dequantizing only those: a sparse (QSA)
+        query reads a budget of rows, where rows(end) would dequantize the whole history per query."""
+        indices = np.asarray(indices)
+        exact_from = max(SINK_ROWS, end - RECENT_ROWS)
+        sink, recent = indices < SINK_ROWS, indices >= exact_from
+        coded = ~(sink | recent)
+        both = np.empty((self.sink.shape[0], len(indices), *self.sink.shape[2:]), np.float32)
+        both[:, sink] = self.sink[:, indices[sink]]
+        both[:, recent] = self.ring[:, indices[recent] % self.ring.shape[1]]
+        both[:, coded] = self._dequantize(indices[coded])
+        return both[..., 0], both[..., 1]
+
+    def _dequantize(self, rows: slice | np.ndarray) -> np.ndarray:
+        """The 4-bit images of cache rows `rows` (a slice or indices), [kv, n, head_dim, 2]."""
+        codes = self.codes[:, rows].transpose(0, 1, 3, 2)
+        if not codes.shape[1]:
             return np.zeros((self.codes.shape[0], 0, self.sink.shape[2], 2), np.float32)
-        codes = self.codes[:, start:end].transpose(0, 1, 3, 2)
-        scales = self.scales[:, start:end].transpose(0, 1, 3, 2)
+        scales = self.scales[:, rows].transpose(0, 1, 3, 2)
         rotated = dequantize_q4(codes, scales)
         return ((rotated @ self.hadamard) * self.signs).transpose(0, 1, 3, 2)
 

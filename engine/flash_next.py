@@ -326,9 +326,9 @@ class FlashCpuOps(CpuOps):
                                     lambda first_block, raw_blocks: self._pooled(ix, first_block, raw_blocks, start - past))
             for t in range(max(lo, first), hi):
                 tokens = self._selected(ix, index_q[t - first], cache, past + t)
-                keys, values = cache.kv.rows(past + t + 1)
+                keys, values = cache.kv.rows_at(tokens, past + t + 1)  # the budget's rows, not the history
                 # the row attends every selected token: as the last of them, nothing is masked
-                out[t - first] = attend(q[t - first : t - first + 1], keys[:, tokens], values[:, tokens], len(tokens) - 1)[0]
+                out[t - first] = attend(q[t - first : t - first + 1], keys, values, len(tokens) - 1)[0]
         return out * sigmoid(gate)
 
     def _pooled(self, ix: Indexer, first_block: int, raw_blocks: np.ndarray, offset: int) -> np.ndarray:

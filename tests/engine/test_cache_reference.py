@@ -63,11 +63,15 @@ def walsh_hadamard(n: int) -> np.ndarray:
 
 
 def assert_same_rows(cache, reference: ListCache, ends) -> None:
+    """rows(end) is the reference's, and rows_at (a sparse query's read) its rows at any indices."""
     assert cache.length == len(reference.rows)
+    rng = np.random.default_rng(len(reference.rows))
     for end in ends:
-        for got, want in zip(cache.rows(end), reference.first(end)):
+        indices = np.sort(rng.choice(end, min(end, 40), replace=False)) if end else np.zeros(0, np.int64)
+        for got, at, want in zip(cache.rows(end), cache.rows_at(indices, end), reference.first(end)):
             assert got.dtype == np.float32 and got.shape == want.shape
             assert np.array_equal(got, want), end
+            assert at.dtype == np.float32 and np.array_equal(at, want[:, indices]), end
 
 
 def random_rows(rng, kv: int, T: int, hd: int) -> tuple[np.ndarray, np.ndarray]:
