@@ -277,6 +277,48 @@ if _numba:
 
         return _numba.types.float32(bits), codegen
 
+    class _Int8Dots:
+        """The int8 dot instructions of this CPU's family (int8_dot_kernels' "vnni" or "avx2"), declared
+        in the module `builder` writes, on int32 vectors of QUAD_COLUMN lanes (one 4-byte group a lane)."""
+
+        def __init__(self, builder):
+            from numba.core import cgutils
+
+            ir = llvmlite.ir
+            self.builder, self.words = builder, ir.VectorType(ir.IntType(32), QUAD_COLUMN)
+            function = lambda name, result, *operands: cgutils.get_or_insert_function(  # noqa: E731
+                builder.module, ir.FunctionType(result, list(operands)), name)
+            if QUAD_FAMILY == "vnni":
+                self._vpdpbusd = function("llvm.x86.avx512.vpdpbusd.512", *[self.words] * 4)
+                return
+            self.bytes, shorts, self.i1 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.IntType(1)
+            self._maddubs = function("llvm.x86.avx2.pmadd.ub.sw", shorts, self.bytes, self.bytes)
+            self._maddwd = function("llvm.x86.avx2.pmadd.wd", self.words, shorts, shorts)
+            self._sign = function("llvm.x86.avx2.psign.b", self.bytes, self.bytes, self.bytes)
+            self._abs = function("llvm.abs.v32i8", self.bytes, self.bytes, self.i1)
+            self._ones = ir.Constant(shorts, [1] * 16)
+
+        def vpdpbusd(self, acc, unsigned, signed):
+            """vnni: acc + each lane's 4 products of unsigned by signed bytes."""
+            return self.builder.call(self._vpdpbusd, [acc, unsigned, signed])
+
+        def pairs(self, unsigned, signed):
+            """avx2: int16 sums of adjacent products of unsigned by signed bytes (vpmaddubsw, saturating)."""
+            b = self.builder
+            return b.call(self._maddubs, [b.bitcast(unsigned, self.bytes), b.bitcast(signed, self.bytes)])
+
+        def signed_pairs(self, levels, x):
+            """avx2: pairs of signed levels by x, by the sign trick: |w| (unsigned, 128 for -128) times
+            x with w's sign, each pair at most 2 * 128 * 127 = 32512 < 2^15."""
+            b = self.builder
+            w = b.bitcast(levels, self.bytes)
+            magnitude = b.call(self._abs, [w, llvmlite.ir.Constant(self.i1, 0)])
+            return self.pairs(magnitude, b.call(self._sign, [b.bitcast(x, self.bytes), w]))
+
+        def widen(self, acc, pairs):
+            """avx2: acc + each lane's two int16 pairs (vpmaddwd by ones)."""
+            return self.builder.add(acc, self.builder.call(self._maddwd, [pairs, self._ones]))
+
     @intrinsic
     def quad_columns(typingctx, plane, x, dots, x_at, quads, lanes):
         """In compiled code, on the CPU of int8_dot_kernels()'s "vnni" or "avx2" family only (LLVM
@@ -289,8 +331,7 @@ if _numba:
 
         vnni: one vpdpbusd multiplies 64 byte pairs and adds each 4 into an int32 lane. avx2:
         vpmaddubsw multiplies 32 unsigned by signed bytes and adds pairs into int16 (saturating),
-        vpmaddwd by ones adds those pairs into int32. The sign trick: |w| (unsigned, 128 for -128)
-        times x with w's sign, pairs at most 2 * 128 * 127 = 32512 < 2^15."""
+        vpmaddwd by ones adds those pairs into int32, the levels through the sign trick (_Int8Dots)."""
         types = _numba.types
         if (plane.dtype, x.dtype, dots.dtype) != (types.uint8, types.int8, types.int32):
             return None
@@ -304,24 +345,7 @@ if _numba:
             vector = ir.VectorType(ir.IntType(32), QUAD_COLUMN)
             intp = context.get_value_type(types.intp)
             const = lambda v: ir.Constant(intp, v)  # noqa: E731
-            function = lambda name, result, *operands: cgutils.get_or_insert_function(  # noqa: E731
-                builder.module, ir.FunctionType(result, list(operands)), name)
-            if QUAD_FAMILY == "vnni":
-                vpdpbusd = function("llvm.x86.avx512.vpdpbusd.512", vector, vector, vector, vector)
-            else:
-                i8s, i16s, i1 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.IntType(1)
-                maddubs = function("llvm.x86.avx2.pmadd.ub.sw", i16s, i8s, i8s)
-                maddwd = function("llvm.x86.avx2.pmadd.wd", vector, i16s, i16s)
-                sign = function("llvm.x86.avx2.psign.b", i8s, i8s, i8s)
-                absolute = function("llvm.abs.v32i8", i8s, i8s, i1)
-                ones = ir.Constant(i16s, [1] * 16)
-
-                def pairs(unsigned, signed):
-                    return builder.call(maddubs, [builder.bitcast(unsigned, i8s), builder.bitcast(signed, i8s)])
-
-                def widen(acc, sums):
-                    return builder.add(acc, builder.call(maddwd, [sums, ones]))
-
+            int8 = _Int8Dots(builder)
             data = [context.make_array(t)(context, builder, v).data for t, v in zip(signature.args[:3], args[:3])]
             accumulators = [cgutils.alloca_once(builder, vector) for _ in range(QUAD_BLOCK)]
 
@@ -331,11 +355,8 @@ if _numba:
             def dot(acc, codes, at):
                 """acc + the quads' sums of one column's plane bytes `codes` with x's at byte `at`."""
                 if QUAD_FAMILY == "vnni":
-                    return builder.call(vpdpbusd, [acc, codes, load(data[1], at)])
-                w = builder.bitcast(codes, i8s)
-                magnitude = builder.call(absolute, [w, ir.Constant(i1, 0)])  # -128 -> 0x80, 128 unsigned
-                signed_x = builder.call(sign, [builder.bitcast(load(data[1], at), i8s), w])  # x * sign(w)
-                return widen(acc, pairs(magnitude, signed_x))
+                    return int8.vpdpbusd(acc, codes, load(data[1], at))
+                return int8.widen(acc, int8.signed_pairs(codes, load(data[1], at)))
 
             def columns_from(first, count: int) -> None:
                 for acc in accumulators[:count]:
@@ -531,7 +552,7 @@ if _numba:
             vpbroadcastd from L1, where the position-major planes read a copy per lane. vnni:
             vpdpbusd adds a lane's 4 products into int32, in two chains. avx2: two 8-lane halves,
             vpmaddubsw pairs into int16 (nibbles: <= 2 * 15 * 127, a quad's two sums <= 7620; bytes:
-            the sign trick, |w| times x with w's sign, <= 2 * 128 * 127), vpmaddwd by ones to int32.
+            the sign trick), vpmaddwd by ones to int32 (_Int8Dots).
             The integers are exact; the fp32 steps are those of _w4a8_rows_loops, in its order."""
             types = _numba.types
             if (codes.dtype, scales.dtype, q.dtype, x_sum.dtype, x_scale.dtype, acc.dtype) != (
@@ -548,29 +569,15 @@ if _numba:
                 const = lambda v: ir.Constant(intp, v)  # noqa: E731
                 W = QUAD_COLUMN  # int32 lanes a vector: 16 rows in 16 // W vectors
                 halves = 16 // W
-                i8, i32 = ir.IntType(8), ir.IntType(32)
+                i32 = ir.IntType(32)
                 words, floats = ir.VectorType(i32, W), ir.VectorType(ir.FloatType(), W)
-                function = lambda name, result, *operands: cgutils.get_or_insert_function(  # noqa: E731
-                    builder.module, ir.FunctionType(result, list(operands)), name)
+                int8 = _Int8Dots(builder)
                 C, S, Q, XS, XC, A = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:6], args[:6]))
                 row_bytes = cgutils.unpack_tuple(builder, C.shape, 2)[1]
                 K = cgutils.unpack_tuple(builder, Q.shape, 2)[1]
                 U = cgutils.unpack_tuple(builder, XS.shape, 2)[1]
                 low_nibbles, four = ir.Constant(words, [0x0F0F0F0F] * W), ir.Constant(words, [4] * W)
                 unit_bytes, offset = (256, 8) if nibbles else (512, QUAD_BIAS)
-                if QUAD_FAMILY == "vnni":
-                    vpdpbusd = function("llvm.x86.avx512.vpdpbusd.512", words, words, words, words)
-                else:
-                    bytes32, shorts, i1 = ir.VectorType(i8, 32), ir.VectorType(ir.IntType(16), 16), ir.IntType(1)
-                    maddubs = function("llvm.x86.avx2.pmadd.ub.sw", shorts, bytes32, bytes32)
-                    maddwd = function("llvm.x86.avx2.pmadd.wd", words, shorts, shorts)
-                    sign = function("llvm.x86.avx2.psign.b", bytes32, bytes32, bytes32)
-                    absolute = function("llvm.abs.v32i8", bytes32, bytes32, i1)
-                    ones = ir.Constant(shorts, [1] * 16)
-
-                    def pairs(unsigned, signed):
-                        return builder.call(maddubs, [builder.bitcast(unsigned, bytes32), builder.bitcast(signed, bytes32)])
-
                 def splat(value, vector):
                     one = builder.insert_element(ir.Constant(vector, None), value, ir.Constant(i32, 0))
                     return builder.shuffle_vector(one, ir.Constant(vector, None), ir.Constant(ir.VectorType(i32, W), [0] * W))
@@ -606,20 +613,16 @@ if _numba:
                             if QUAD_FAMILY == "vnni":
                                 sums = [ir.Constant(words, None)] * 2
                                 for j, w in enumerate(weights):
-                                    sums[j % 2] = builder.call(vpdpbusd, [sums[j % 2], w[h], x[j]])
+                                    sums[j % 2] = int8.vpdpbusd(sums[j % 2], w[h], x[j])
                                 dot = builder.add(sums[0], sums[1])
                             elif nibbles:  # a quad's low and high nibbles' pairs add in int16, then widen
                                 dot = ir.Constant(words, None)
                                 for j in range(4):
-                                    both = builder.add(pairs(weights[j][h], x[j]), pairs(weights[4 + j][h], x[4 + j]))
-                                    dot = builder.add(dot, builder.call(maddwd, [both, ones]))
+                                    dot = int8.widen(dot, builder.add(int8.pairs(weights[j][h], x[j]), int8.pairs(weights[4 + j][h], x[4 + j])))
                             else:
                                 dot = ir.Constant(words, None)
                                 for j, w in enumerate(weights):
-                                    levels = builder.bitcast(w[h], bytes32)
-                                    magnitude = builder.call(absolute, [levels, ir.Constant(i1, 0)])  # -128 -> 0x80, 128 unsigned
-                                    signed_x = builder.call(sign, [builder.bitcast(x[j], bytes32), levels])  # x * sign(w)
-                                    dot = builder.add(dot, builder.call(maddwd, [pairs(magnitude, signed_x), ones]))
+                                    dot = int8.widen(dot, int8.signed_pairs(w[h], x[j]))
                             term = builder.fmul(builder.sitofp(builder.sub(dot, bias), floats), builder.fmul(weight_scale[h], scale))
                             builder.store(builder.fadd(builder.load(totals[i][h]), term), totals[i][h])
                 acc_row = cgutils.unpack_tuple(builder, A.shape, 2)[1]
