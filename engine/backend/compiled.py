@@ -533,8 +533,8 @@ if _numba:
     _w4a16_4x1, _w4a16_2x2, _w4a16_1x4, _w4a16_1x2, _w4a16_1x1 = (
         _w4a16_tile(*shape) for shape in ((4, 1), (2, 2), (1, 4), (1, 2), (1, 1)))
 
-    def _rows_tile(tokens: int, nibbles: bool):
-        """The intrinsic below for a tile of `tokens` token rows, on nibble or byte RowPlanes."""
+    def _rows_tile(tokens: int):
+        """The intrinsic below for a tile of `tokens` token rows."""
 
         def rows_tile(typingctx, codes, scales, q, x_sum, x_scale, acc, g, t0):
             """In compiled code, on the CPU of int8_dot_kernels()'s "vnni" or "avx2" family only:
@@ -577,7 +577,7 @@ if _numba:
                 K = cgutils.unpack_tuple(builder, Q.shape, 2)[1]
                 U = cgutils.unpack_tuple(builder, XS.shape, 2)[1]
                 low_nibbles, four = ir.Constant(words, [0x0F0F0F0F] * W), ir.Constant(words, [4] * W)
-                unit_bytes, offset = (256, 8) if nibbles else (512, QUAD_BIAS)
+
                 def splat(value, vector):
                     one = builder.insert_element(ir.Constant(vector, None), value, ir.Constant(i32, 0))
                     return builder.shuffle_vector(one, ir.Constant(vector, None), ir.Constant(ir.VectorType(i32, W), [0] * W))
@@ -585,46 +585,57 @@ if _numba:
                 def load(pointer, vector, at, align):
                     return builder.load(builder.bitcast(builder.gep(pointer, [at]), vector.as_pointer()), align=align)
 
-                # (weight vectors [half], activation offset in the unit) for each quad a lane sums
-                quads = [(p, 4 * p) for p in range(4)] + [(p, 16 + 4 * p) for p in range(4)] if nibbles else \
-                    [(p, 4 * p) for p in range(8)]
                 totals = [[cgutils.alloca_once(builder, floats) for _ in range(halves)] for _ in range(tokens)]
                 for total in sum(totals, []):
                     builder.store(ir.Constant(floats, None), total)
-                with cgutils.for_range(builder, U) as unit:
-                    v = unit.index
-                    base = builder.add(builder.mul(g, row_bytes), builder.mul(v, const(unit_bytes)))
-                    stored = [[load(C.data, words, builder.add(base, const(64 * p + 4 * W * h)), 1) for h in range(halves)]
-                              for p in range(unit_bytes // 64)]
-                    if nibbles:  # shifting each 32-bit lane by 4 moves every byte's high nibble down
-                        weights = [[builder.and_(c, low_nibbles) for c in quad] for quad in stored] + \
-                                  [[builder.and_(builder.lshr(c, four), low_nibbles) for c in quad] for quad in stored]
-                    else:
-                        weights = stored
-                    weight_scale = [load(S.data, floats, builder.add(builder.mul(v, const(16)), const(W * h)), 4) for h in range(halves)]
-                    for i in range(tokens):
-                        row = builder.add(t0, const(i))
-                        x_at = builder.add(builder.mul(row, K), builder.mul(v, const(32)))
-                        x = [splat(load(Q.data, i32, builder.add(x_at, const(at)), 1), words) for _, at in quads]
-                        unit_at = builder.add(builder.mul(row, U), v)
-                        bias = splat(builder.mul(builder.load(builder.gep(XS.data, [unit_at])), ir.Constant(i32, offset)), words)
-                        scale = splat(builder.load(builder.gep(XC.data, [unit_at])), floats)
-                        for h in range(halves):
-                            if QUAD_FAMILY == "vnni":
-                                sums = [ir.Constant(words, None)] * 2
-                                for j, w in enumerate(weights):
-                                    sums[j % 2] = int8.vpdpbusd(sums[j % 2], w[h], x[j])
-                                dot = builder.add(sums[0], sums[1])
-                            elif nibbles:  # a quad's low and high nibbles' pairs add in int16, then widen
-                                dot = ir.Constant(words, None)
-                                for j in range(4):
-                                    dot = int8.widen(dot, builder.add(int8.pairs(weights[j][h], x[j]), int8.pairs(weights[4 + j][h], x[4 + j])))
-                            else:
-                                dot = ir.Constant(words, None)
-                                for j, w in enumerate(weights):
-                                    dot = int8.widen(dot, int8.signed_pairs(w[h], x[j]))
-                            term = builder.fmul(builder.sitofp(builder.sub(dot, bias), floats), builder.fmul(weight_scale[h], scale))
-                            builder.store(builder.fadd(builder.load(totals[i][h]), term), totals[i][h])
+
+                def units(nibbles: bool) -> None:
+                    """The sum over units into the totals, for nibble or byte codes."""
+                    unit_bytes, offset = (256, 8) if nibbles else (512, QUAD_BIAS)
+                    # (weight vectors [half], activation offset in the unit) for each quad a lane sums
+                    quads = [(p, 4 * p) for p in range(4)] + [(p, 16 + 4 * p) for p in range(4)] if nibbles else \
+                        [(p, 4 * p) for p in range(8)]
+                    with cgutils.for_range(builder, U) as unit:
+                        v = unit.index
+                        base = builder.add(builder.mul(g, row_bytes), builder.mul(v, const(unit_bytes)))
+                        stored = [[load(C.data, words, builder.add(base, const(64 * p + 4 * W * h)), 1) for h in range(halves)]
+                                  for p in range(unit_bytes // 64)]
+                        if nibbles:  # shifting each 32-bit lane by 4 moves every byte's high nibble down
+                            weights = [[builder.and_(c, low_nibbles) for c in quad] for quad in stored] + \
+                                      [[builder.and_(builder.lshr(c, four), low_nibbles) for c in quad] for quad in stored]
+                        else:
+                            weights = stored
+                        weight_scale = [load(S.data, floats, builder.add(builder.mul(v, const(16)), const(W * h)), 4) for h in range(halves)]
+                        for i in range(tokens):
+                            row = builder.add(t0, const(i))
+                            x_at = builder.add(builder.mul(row, K), builder.mul(v, const(32)))
+                            x = [splat(load(Q.data, i32, builder.add(x_at, const(at)), 1), words) for _, at in quads]
+                            unit_at = builder.add(builder.mul(row, U), v)
+                            bias = splat(builder.mul(builder.load(builder.gep(XS.data, [unit_at])), ir.Constant(i32, offset)), words)
+                            scale = splat(builder.load(builder.gep(XC.data, [unit_at])), floats)
+                            for h in range(halves):
+                                if QUAD_FAMILY == "vnni":
+                                    sums = [ir.Constant(words, None)] * 2
+                                    for j, w in enumerate(weights):
+                                        sums[j % 2] = int8.vpdpbusd(sums[j % 2], w[h], x[j])
+                                    dot = builder.add(sums[0], sums[1])
+                                elif nibbles:  # a quad's low and high nibbles' pairs add in int16, then widen
+                                    dot = ir.Constant(words, None)
+                                    for j in range(4):
+                                        dot = int8.widen(dot, builder.add(int8.pairs(weights[j][h], x[j]), int8.pairs(weights[4 + j][h], x[4 + j])))
+                                else:
+                                    dot = ir.Constant(words, None)
+                                    for j, w in enumerate(weights):
+                                        dot = int8.widen(dot, int8.signed_pairs(w[h], x[j]))
+                                term = builder.fmul(builder.sitofp(builder.sub(dot, bias), floats), builder.fmul(weight_scale[h], scale))
+                                builder.store(builder.fadd(builder.load(totals[i][h]), term), totals[i][h])
+
+                of_nibbles = builder.icmp_signed("==", row_bytes, builder.mul(U, const(256)))  # else 512 a unit: bytes
+                with builder.if_else(of_nibbles) as (on_nibbles, on_bytes):
+                    with on_nibbles:
+                        units(nibbles=True)
+                    with on_bytes:
+                        units(nibbles=False)
                 acc_row = cgutils.unpack_tuple(builder, A.shape, 2)[1]
                 for i in range(tokens):
                     for h in range(halves):
@@ -637,9 +648,8 @@ if _numba:
         return intrinsic(rows_tile)
 
     # tiles of 8 token rows (8 weight vectors, 8 totals and the broadcasts: ~24 of AVX-512's 32
-    # registers), then one of 4, 2 and 1 for the rows left; nibble and byte codes alike
-    _nibble_rows_8, _nibble_rows_4, _nibble_rows_2, _nibble_rows_1 = (_rows_tile(tokens, nibbles=True) for tokens in (8, 4, 2, 1))
-    _byte_rows_8, _byte_rows_4, _byte_rows_2, _byte_rows_1 = (_rows_tile(tokens, nibbles=False) for tokens in (8, 4, 2, 1))
+    # registers), then one of 4, 2 and 1 for the rows left
+    _rows_tile_8, _rows_tile_4, _rows_tile_2, _rows_tile_1 = (_rows_tile(tokens) for tokens in (8, 4, 2, 1))
 
 
 @_jit(fastmath=True, inline="always")  # inlined into numba's IR: a call left to LLVM stops the vectorizer
@@ -773,28 +783,6 @@ ROWS = 16  # weight rows a RowPlanes group holds: one vpdpbusd's int32 lanes (tw
 ROWS_TILE = 8 if QUAD_FAMILY == "vnni" else 2
 
 
-@_jit(inline="always")
-def _rows_tile_of(nibbles, tokens, codes, scale, q, x_sum, x_scale, acc, g, t):
-    """rows_tile for `tokens` (8, 4, 2 or 1) token rows from t, of nibble or byte codes."""
-    if nibbles:
-        if tokens == 8:
-            _nibble_rows_8(codes, scale, q, x_sum, x_scale, acc, g, t)
-        elif tokens == 4:
-            _nibble_rows_4(codes, scale, q, x_sum, x_scale, acc, g, t)
-        elif tokens == 2:
-            _nibble_rows_2(codes, scale, q, x_sum, x_scale, acc, g, t)
-        else:
-            _nibble_rows_1(codes, scale, q, x_sum, x_scale, acc, g, t)
-    elif tokens == 8:
-        _byte_rows_8(codes, scale, q, x_sum, x_scale, acc, g, t)
-    elif tokens == 4:
-        _byte_rows_4(codes, scale, q, x_sum, x_scale, acc, g, t)
-    elif tokens == 2:
-        _byte_rows_2(codes, scale, q, x_sum, x_scale, acc, g, t)
-    else:
-        _byte_rows_1(codes, scale, q, x_sum, x_scale, acc, g, t)
-
-
 @_jit()
 def _w4a8_rows(codes, scale, q, x_sum, x_scale, out, lo, hi):
     """W4, Q4_0 and Q8_0 on w4a8 through rows_tile (int8_dot_kernels' "vnni" or "avx2"): groups [lo, hi)
@@ -804,7 +792,6 @@ def _w4a8_rows(codes, scale, q, x_sum, x_scale, out, lo, hi):
     codes at K = 1024, in L1) before the next group, so a prefill reads each weight once; per token
     row _w4a8_rows_loops' bits."""
     T, N = out.shape
-    nibbles = codes.shape[1] == 256 * x_sum.shape[1]
     acc = np.empty((ROWS_TILE, ROWS), np.float32)
     scratch = np.empty(scale.shape[1], np.uint32)
     for g in range(lo, hi):
@@ -813,7 +800,14 @@ def _w4a8_rows(codes, scale, q, x_sum, x_scale, out, lo, hi):
         t = 0
         while t < T:
             tile = ROWS_TILE if T - t >= ROWS_TILE else 4 if T - t >= 4 else 2 if T - t >= 2 else 1
-            _rows_tile_of(nibbles, tile, codes, group_scale, q, x_sum, x_scale, acc, g, t)
+            if tile == 8:
+                _rows_tile_8(codes, group_scale, q, x_sum, x_scale, acc, g, t)
+            elif tile == 4:
+                _rows_tile_4(codes, group_scale, q, x_sum, x_scale, acc, g, t)
+            elif tile == 2:
+                _rows_tile_2(codes, group_scale, q, x_sum, x_scale, acc, g, t)
+            else:
+                _rows_tile_1(codes, group_scale, q, x_sum, x_scale, acc, g, t)
             for i in range(tile):
                 for r in range(rows):
                     out[t + i, g * ROWS + r] = acc[i, r]
@@ -1589,12 +1583,10 @@ def _blocks_to_rows(raw, codes, scale, first, last, flip, fill):
 # Linears.
 
 
-class TiledLinear(cpu.Linear):
-    """What the quantized compiled Linears share: their UnitPlanes and the call in tiles of token rows.
-    Each kind has prepare(x rows) -> the activations as its kernel reads them, and launch(prepared,
-    out rows) -> (kernel, args): the kernel runs kernel(*args, lo, hi) over groups [lo, hi)."""
+class PlanesLinear(cpu.Linear):
+    """A compiled Linear on a repacked matrix (`planes`: UnitPlanes or RowPlanes): its shape and bytes are theirs."""
 
-    planes: UnitPlanes
+    planes: UnitPlanes | RowPlanes
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -1603,6 +1595,14 @@ class TiledLinear(cpu.Linear):
     @property
     def nbytes(self) -> int:
         return self.planes.nbytes
+
+
+class TiledLinear(PlanesLinear):
+    """What the UnitPlanes Linears share: the call in tiles of token rows. Each kind has prepare(x
+    rows) -> the activations as its kernel reads them, and launch(prepared, out rows) -> (kernel,
+    args): the kernel runs kernel(*args, lo, hi) over groups [lo, hi)."""
+
+    planes: UnitPlanes
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """out [T, N], MAX_ROWS token rows at a time, each tile's row groups split between the
@@ -1665,7 +1665,7 @@ class W4A8Linear(TiledLinear):
         return _w4a8_bytes, (p.flat_codes, p.scale, p.minimum, q, x_scale, x_sum, p.group, out)
 
 
-class W4A8RowsLinear(cpu.Linear):
+class W4A8RowsLinear(PlanesLinear):
     """`w4a8` on W4, Q4_0 and Q8_0, as cpu.W4A8Linear: activations int8 per 32 inputs (absmax, fp32
     scale), an integer dot per unit, fp32 rescale, the units summed in order (RowPlanes, _w4a8_rows;
     `kernels` as W4A8Linear's, "generic" running _w4a8_rows_loops for the same bits). The activations
@@ -1679,14 +1679,6 @@ class W4A8RowsLinear(cpu.Linear):
         family = kernels or QUAD_FAMILY
         self.planes = repack_rows(weight, flip=QUAD_BIAS if family == "vnni" else 0)
         self.kernel = _w4a8_rows_loops if family == "generic" else _w4a8_rows
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.planes.shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.planes.nbytes
 
     def prepare(self, x: np.ndarray):
         """x fp32 [T, K] -> levels int8 [T, K], each unit's level sum int32 [T, U] and scale fp32 [T, U]."""

@@ -308,7 +308,7 @@ class CpuOps:
     def shortlist_part(self, head, matrix, rows: np.ndarray | slice, route: str):
         """A Linear over some rows of the output head's stored matrix (a view where rows is a slice
         of a float matrix, or of a compiled head's planes); head is the head assembled from it."""
-        if isinstance(rows, slice) and isinstance(head, (compiled.TiledLinear, compiled.W4A8RowsLinear, compiled.BF16Linear)):
+        if isinstance(rows, slice) and isinstance(head, (compiled.PlanesLinear, compiled.BF16Linear)):
             leading = head.leading_rows(rows.stop)
             if leading is not None:
                 return leading
