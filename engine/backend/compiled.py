@@ -3,12 +3,12 @@ rows of a call, with each row's result bit-identical however many rows run.
 
 The numpy Linears of engine/backend/cpu.py are the readable reference; these compute the same
 route numerics (DESIGN.md contracts) in another summation order, stated per kernel. Speed comes
-from two things:
+from the layouts and from sharing each weight read between the token rows:
 
 - Units laid out position-major. A quantized matrix is repacked once at load into `UnitPlanes`:
-  for each unit of `unit` inputs that shares one weight scale (32 for W4 and GGUF blocks on w4a8,
-  16 for Q6_K, 128 for W4 on w4a16), position j of every unit is stored side by side, and R weight
-  rows side by side too (codes [N / R, unit, U * R]). The dot products of all units of R rows then
+  for each unit of `unit` inputs that shares one weight scale (32 for Q4_K, Q5_K and IQ4_XS on
+  w4a8, 16 for Q6_K, 128 for trellis and for W4 in w4a16's portable loops), position j of every
+  unit is stored side by side, and R weight rows side by side too (codes [N / R, unit, U * R]). The dot products of all units of R rows then
   grow together, one vector op per position, with no horizontal sum per unit; each unit's scale is
   applied once at the end.
 - W4, Q4_0 and Q8_0 on w4a8 are laid out the other way round (`RowPlanes`): a unit's 16 weight rows
