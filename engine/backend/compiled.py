@@ -783,16 +783,33 @@ ROWS = 16  # weight rows a RowPlanes group holds: one vpdpbusd's int32 lanes (tw
 ROWS_TILE = 8 if QUAD_FAMILY == "vnni" else 2
 
 
+@_jit(inline="always")
+def _rows_minimum(minimum, g, x_sum, x_scale, out, T, rows, total):
+    """For RowPlanes with a minimum (Q4_K, Q5_K; [G, 0] else): out[t, 16 g + r] -= the sum over units v,
+    in order, of (fp32(x_sum[t, v]) * x_scale[t, v]) * minimum[g, v * 16 + r]; total fp32 [16] is
+    scratch (the 16 rows' sums grow side by side, one vector). Both _w4a8_rows kernels run this same
+    code, so their bits stay equal."""
+    U = x_sum.shape[1] if minimum.shape[1] else 0
+    for t in range(T if U else 0):
+        total[:] = 0
+        for v in range(U):
+            unit = np.float32(x_sum[t, v]) * x_scale[t, v]
+            for r in range(ROWS):
+                total[r] = total[r] + unit * minimum[g, v * ROWS + r]
+        for r in range(rows):
+            out[t, g * ROWS + r] -= total[r]
+
+
 @_jit()
-def _w4a8_rows(codes, scale, q, x_sum, x_scale, out, lo, hi):
-    """W4, Q4_0 and Q8_0 on w4a8 through rows_tile (int8_dot_kernels' "vnni" or "avx2"): groups [lo, hi)
-    of RowPlanes' codes [G, U * 256 (nibbles) or U * 512] and scale [G, U * 16] (fp32, or the blocks'
-    f16 bits) against q int8 [T, K] (the activation levels as they are), x_sum int32 [T, U], x_scale
+def _w4a8_rows(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
+    """W4 and GGUF blocks of 32 on w4a8 through rows_tile (int8_dot_kernels' "vnni" or "avx2"): groups
+    [lo, hi) of RowPlanes' codes [G, U * 256 (nibbles) or U * 512], scale [G, U * 16] (fp32, or the
+    blocks' f16 bits) and minimum (_rows_minimum) against q int8 [T, K] (the activation levels as they are), x_sum int32 [T, U], x_scale
     fp32 [T, U], into out [T, N]. Every token row of the call runs on a group's 16 rows (8 KB of Q4_0
     codes at K = 1024, in L1) before the next group, so a prefill reads each weight once; per token
     row _w4a8_rows_loops' bits."""
     T, N = out.shape
-    acc = np.empty((ROWS_TILE, ROWS), np.float32)
+    acc, total = np.empty((ROWS_TILE, ROWS), np.float32), np.empty(ROWS, np.float32)
     scratch = np.empty(scale.shape[1], np.uint32)
     for g in range(lo, hi):
         group_scale = unit_scales(scale[g], scratch)
@@ -812,10 +829,11 @@ def _w4a8_rows(codes, scale, q, x_sum, x_scale, out, lo, hi):
                 for r in range(rows):
                     out[t + i, g * ROWS + r] = acc[i, r]
             t += tile
+        _rows_minimum(minimum, g, x_sum, x_scale, out, T, rows, total)
 
 
 @_jit()
-def _w4a8_rows_loops(codes, scale, q, x_sum, x_scale, out, lo, hi):
+def _w4a8_rows_loops(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
     """_w4a8_rows in plain loops (the "generic" family), the same numbers in the same order: per
     token row t and weight row n = 16 g + r, total = 0, then for each unit v in order total +=
     fp32(dot - offset x_sum[t, v]) * (scale[g, v * 16 + r] * x_scale[t, v]), dot the unit's 32
@@ -825,7 +843,7 @@ def _w4a8_rows_loops(codes, scale, q, x_sum, x_scale, out, lo, hi):
     T, N = out.shape
     U = x_sum.shape[1]
     nibbles = codes.shape[1] == 256 * U
-    scratch = np.empty(scale.shape[1], np.uint32)
+    scratch, unit_total = np.empty(scale.shape[1], np.uint32), np.empty(ROWS, np.float32)
     for g in range(lo, hi):
         group_scale = unit_scales(scale[g], scratch)
         c = codes[g]
@@ -847,6 +865,7 @@ def _w4a8_rows_loops(codes, scale, q, x_sum, x_scale, out, lo, hi):
                     term = np.float32(dot) * (group_scale[v * ROWS + r] * x_scale[t, v])
                     total = total + term
                 out[t, g * ROWS + r] = total
+        _rows_minimum(minimum, g, x_sum, x_scale, out, T, min(ROWS, N - g * ROWS), unit_total)
 
 
 @_jit()
@@ -1496,20 +1515,23 @@ def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int
 
 @dataclass(frozen=True)
 class RowPlanes:
-    """W4, Q4_0 or Q8_0 levels as _w4a8_rows reads them: ROWS weight rows side by side in a group,
-    by units of 32 inputs, a row's four bytes of a quad of positions in one int32 lane.
+    """W4 or GGUF levels in units of 32 (all but Q6_K's 16) as _w4a8_rows reads them: ROWS weight
+    rows side by side in a group, a row's four bytes of a quad of positions in one int32 lane.
 
     codes  uint8 [G, U * 256] `nibbles` (W4, Q4_0: level + 8, two a byte): group g's byte
            v * 256 + p * 64 + r * 4 + s holds row 16 g + r's positions 4p + s (low nibble) and
-           16 + 4p + s (high) of unit v, Q4_0's own block bytes 2 + 4p + s; or [G, U * 512] (Q8_0:
-           one level a byte, + QUAD_BIAS as this CPU's rows_tile reads it): byte v * 512 + p * 64 +
-           r * 4 + s is position 4p + s, Q8_0's block byte 2 + 4p + s
-    scale  [G, U * 16]: unit v's scale of row 16 g + r at v * 16 + r; the blocks' f16 bits as they
-           hold them, or fp32 (W4's bf16 group scale for each of its units)
+           16 + 4p + s (high) of unit v, Q4_0's own block bytes 2 + 4p + s; or [G, U * 512] (Q8_0,
+           Q4_K, Q5_K, IQ4_XS: one level a byte, + QUAD_BIAS as this CPU's rows_tile reads it): byte
+           v * 512 + p * 64 + r * 4 + s is position 4p + s, Q8_0's block byte 2 + 4p + s
+    scale  [G, U * 16]: unit v's scale of row 16 g + r at v * 16 + r; Q4_0's and Q8_0's f16 bits as
+           their blocks hold them, or fp32 (W4's bf16 group scale for each of its units, a K-quant's
+           or IQ4_XS's sub-block scale)
+    minimum fp32 [G, U * 16] for Q4_K and Q5_K (weight = scale x level - minimum), else [G, 0]
     Rows past N (the last group's padding) have level 0 and scale 0."""
 
     codes: np.ndarray
     scale: np.ndarray
+    minimum: np.ndarray
     rows: int
     nibbles: bool
 
@@ -1519,24 +1541,34 @@ class RowPlanes:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes
+        return self.codes.nbytes + self.scale.nbytes + self.minimum.nbytes
 
     def leading(self, groups: int) -> RowPlanes:
         """The first `groups` groups alone (views, no copy)."""
-        return replace(self, codes=self.codes[:groups], scale=self.scale[:groups], rows=groups * ROWS)
+        return replace(self, codes=self.codes[:groups], scale=self.scale[:groups], minimum=self.minimum[:groups], rows=groups * ROWS)
 
 
 def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
-    """A W4, Q4_0 or Q8_0 matrix as RowPlanes, a chunk of groups at a time split between the cores:
-    the blocks' bytes move as they are (_blocks_to_rows; Q8_0's levels xor `flip`, QUAD_BIAS for
-    vnni), W4's levels come through its codec."""
+    """A W4 or GGUF matrix (units of 32) as RowPlanes, a chunk of groups at a time split between the
+    cores: Q4_0's and Q8_0's bytes move as they are (_blocks_to_rows), other levels come through their
+    codec; byte levels xor `flip` (QUAD_BIAS for vnni)."""
     N, K = weight.shape
     U, G = K // 32, -(-N // ROWS)
-    as_stored = isinstance(weight, BlockMatrix)
-    nibbles = not as_stored or weight.qtype.name == "Q4_0"
+    as_stored = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0")
+    nibbles = isinstance(weight, W4Weight) or weight.qtype.name == "Q4_0"
     codes = np.empty((G, U * (256 if nibbles else 512)), np.uint8)
     scale = np.empty((G, U * ROWS), np.uint16 if as_stored else np.float32)
+    has_minimum = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_K", "Q5_K")
+    minimum = np.empty((G, U * ROWS if has_minimum else 0), np.float32)
     step = max(1, REPACK_ROWS_WEIGHTS // K // ROWS)  # groups at a time
+
+    def by_group(values: np.ndarray, pad: int, fill) -> np.ndarray:
+        """Rows [r, U] or [r, U, p, s] padded with `fill` to whole groups -> per group [v, (p,) r, (s)], flat."""
+        values = np.concatenate([values, np.full((pad, *values.shape[1:]), fill, values.dtype)])
+        grouped = values.reshape(-1, ROWS, *values.shape[1:])  # [g, r, v, ...]
+        if grouped.ndim == 3:
+            return grouped.transpose(0, 2, 1).reshape(len(grouped), -1)
+        return grouped.transpose(0, 2, 3, 1, 4).reshape(len(grouped), -1)
 
     def chunks(lo: int, hi: int) -> None:
         for first in range(lo * step, min(G, hi * step), step):
@@ -1546,16 +1578,20 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
                 _blocks_to_rows(weight.raw, codes, scale, first, last, 0 if nibbles else flip, 0x88 if nibbles else flip)
                 release_file_pages(weight.raw[start:stop])
                 continue
-            by_unit, unit_scale, _ = _units(weight, start, stop, 32, nibbles=True)  # [r, 16, U], [r, U]
+            by_unit, unit_scale, unit_minimum = _units(weight, start, stop, 32, nibbles)  # [r, 16 or 32, U], [r, U]
             pad = (last - first) * ROWS - (stop - start)
-            by_unit = np.concatenate([by_unit, np.full((pad, *by_unit.shape[1:]), 0x88, np.uint8)])
-            unit_scale = np.concatenate([unit_scale, np.zeros((pad, U), np.float32)])
-            quads = by_unit.transpose(0, 2, 1).reshape(last - first, ROWS, U, 4, 4)  # [g, r, v, p, s]
-            codes[first:last] = quads.transpose(0, 2, 3, 1, 4).reshape(last - first, -1)
-            scale[first:last] = unit_scale.reshape(last - first, ROWS, U).transpose(0, 2, 1).reshape(last - first, -1)
+            quads = by_unit.transpose(0, 2, 1).reshape(stop - start, U, -1, 4)  # [r, v, p, s]
+            if not nibbles:  # int8 levels as this family's kernel reads them
+                quads = (quads.astype(np.int16) ^ flip).astype(np.uint8) if flip else quads.astype(np.int8).view(np.uint8)
+            codes[first:last] = by_group(quads, pad, 0x88 if nibbles else flip)
+            scale[first:last] = by_group(unit_scale.astype(np.float32), pad, 0)
+            if has_minimum:
+                minimum[first:last] = by_group(unit_minimum.astype(np.float32), pad, 0)
+            if isinstance(weight, BlockMatrix):
+                release_file_pages(weight.raw[start:stop])
 
     in_parallel(chunks, -(-G // step))
-    return RowPlanes(codes, scale, N, nibbles)
+    return RowPlanes(codes, scale, minimum, N, nibbles)
 
 
 @_jit()
@@ -1666,7 +1702,7 @@ class W4A8Linear(TiledLinear):
 
 
 class W4A8RowsLinear(PlanesLinear):
-    """`w4a8` on W4, Q4_0 and Q8_0, as cpu.W4A8Linear: activations int8 per 32 inputs (absmax, fp32
+    """`w4a8` on W4 and GGUF blocks of 32 (w4a8_linear), as cpu.W4A8Linear: activations int8 per 32 inputs (absmax, fp32
     scale), an integer dot per unit, fp32 rescale, the units summed in order (RowPlanes, _w4a8_rows;
     `kernels` as W4A8Linear's, "generic" running _w4a8_rows_loops for the same bits). The activations
     stay one byte a level, as quantized, for the kernel to broadcast: a call of any length is one
@@ -1689,12 +1725,16 @@ class W4A8RowsLinear(PlanesLinear):
         split_kernel(_int8_lanes, args, T, split=T >= INT8_LANES_SPLIT_ROWS)
         return q, lane_sum, x_scale
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
+    def launch(self, prepared, out: np.ndarray):
+        """(kernel, args): the kernel runs kernel(*args, lo, hi) over groups [lo, hi), as TiledLinear's."""
         p = self.planes
-        out = np.empty((x.shape[0], p.rows), np.float32)
-        N, K = p.shape
-        split_kernel(self.kernel, (p.codes, p.scale, *self.prepare(x), out), p.codes.shape[0], split=N * K >= SPLIT_MIN_WEIGHTS)
+        return self.kernel, (p.codes, p.scale, p.minimum, *prepared, out)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = np.empty((x.shape[0], self.planes.rows), np.float32)
+        kernel, args = self.launch(self.prepare(np.ascontiguousarray(x, dtype=np.float32)), out)
+        N, K = self.planes.shape
+        split_kernel(kernel, args, self.planes.codes.shape[0], split=N * K >= SPLIT_MIN_WEIGHTS)
         return out
 
     def leading_rows(self, stop: int) -> W4A8RowsLinear | None:
@@ -1708,8 +1748,8 @@ class W4A8RowsLinear(PlanesLinear):
 
 
 def w4a8_linear(weight: W4Weight | BlockMatrix, kernels: str | None = None) -> W4A8RowsLinear | W4A8Linear:
-    """The compiled `w4a8` Linear: W4, Q4_0 and Q8_0 in RowPlanes, other blocks in UnitPlanes."""
-    rows = isinstance(weight, W4Weight) or weight.qtype.name in ("Q4_0", "Q8_0")
+    """The compiled `w4a8` Linear: W4 and GGUF blocks of 32 in RowPlanes, Q6_K's units of 16 in UnitPlanes."""
+    rows = isinstance(weight, W4Weight) or weight.block_size() % 32 == 0
     return W4A8RowsLinear(weight, kernels) if rows else W4A8Linear(weight, kernels)
 
 
@@ -1937,8 +1977,8 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
         return BlockMatrix(qtype, np.zeros((8, 256 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]), np.uint8), 256)
 
     w4 = W4Weight(np.zeros((8, 32), np.uint32), np.zeros((8, 2), np.uint16))
-    # each kernel for each scale dtype it meets: f16 bits (Q4_0, Q8_0) and fp32 (IQ4_XS, Q4_K, W4)
-    linears = [w4a8_linear(blocks(name)) for name in ("Q4_0", "IQ4_XS", "Q8_0", "Q4_K")] + [w4a8_linear(w4), w4a16_linear(w4), DenseLinear(x4),
+    # each kernel for each scale dtype it meets: f16 bits (Q4_0, Q8_0) and fp32 (IQ4_XS, Q4_K, W4, Q6_K)
+    linears = [w4a8_linear(blocks(name)) for name in ("Q4_0", "IQ4_XS", "Q8_0", "Q4_K", "Q6_K")] + [w4a8_linear(w4), w4a16_linear(w4), DenseLinear(x4),
                                                                                          BF16Linear(BF16Matrix(np.zeros((8, 256), np.uint16)))]
     steps = [lambda linear=linear: (linear(x1), linear(x4)) for linear in linears]
     vector, rows = np.zeros(2, np.float32), np.zeros((1, 2), np.float32)  # 2 value heads of 4, one key head

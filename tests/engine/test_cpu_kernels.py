@@ -96,7 +96,7 @@ def test_gguf_w4a8_within_the_sum_bound_of_gguf_reference(qtype, rows):
     weight = random_blocks(qtype, 48, 512, seed=qtype.value)
     x = activations(rows, 512, seed=rows)
     linear = compiled.make_linear(weight, "w4a8")
-    assert type(linear) is (compiled.W4A8RowsLinear if qtype in (Q.Q4_0, Q.Q8_0) else compiled.W4A8Linear)
+    assert type(linear) is (compiled.W4A8Linear if qtype == Q.Q6_K else compiled.W4A8RowsLinear)
     y = linear(x)
     assert y.dtype == np.float32 and y.shape == (rows, 48)
     assert_within_sum_bound(y, gguf_reference(weight), int8_activations(x), terms=512)
@@ -150,7 +150,7 @@ def test_trellis_within_the_sum_bound_of_the_level_function(k):
 
 
 @pytest.mark.parametrize("kernels", compiled.int8_dot_kernels())
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q6_K], ids=lambda t: t.name)
 def test_activations_are_the_routes_int8_levels_bit_for_bit(qtype, kernels):
     """The kernels' fused quantization gives quantize_int8_blocks' levels, scales and unit sums exactly:
     halves that round to even, an all-zero block (scale 0, levels 0), a block whose absmax is negative."""
@@ -369,8 +369,9 @@ def test_row_counts_that_leave_a_partial_group(N, qtype):
     assert_within_sum_bound(y, gguf_reference(weight), int8_activations(x), terms=256)
 
 
-def test_a_weight_row_has_the_same_bits_however_the_rows_are_split():
-    linear = compiled.make_linear(random_blocks(Q.Q5_K, 96, 512, 31), "w4a8")
+@pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)  # RowPlanes with a minimum, UnitPlanes
+def test_a_weight_row_has_the_same_bits_however_the_rows_are_split(qtype):
+    linear = compiled.make_linear(random_blocks(qtype, 96, 512, 31), "w4a8")
     x = activations(3, 512, seed=31)
     prepared = linear.prepare(x)
     groups = linear.planes.codes.shape[0]
@@ -539,7 +540,7 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
                compiled.rms_norm_rows, compiled.add_rms_norm_rows, compiled.norm_rope_rows, compiled.swiglu_rows, compiled.conv_rows, compiled.attend_rows]
     drivers = [compiled.parts_driver(kernel) for kernel in kernels[:5]]  # the same kernels split between threads
     prepared = [len(kernel.signatures) for kernel in kernels + drivers]
-    assert prepared == [2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] + [2, 1, 1, 1, 1]  # RowPlanes: f16 bits (Q4_0, Q8_0) and fp32 scales (W4)
+    assert prepared == [2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] + [2, 1, 1, 1, 1]  # RowPlanes: f16 bits (Q4_0, Q8_0) and fp32 scales
     models = Path(__file__).parents[2] / "models"
     for path in (models / "demo", models / "demo_int4", models / "demo_gguf" / "demo-q8_0.gguf"):
         lm = load_model(path)
