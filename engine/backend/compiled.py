@@ -6,17 +6,17 @@ route numerics (DESIGN.md contracts) in another summation order, stated per kern
 from the layouts and from sharing each weight read between the token rows:
 
 - Units laid out position-major. A quantized matrix is repacked once at load into `UnitPlanes`:
-  for each unit of `unit` inputs that shares one weight scale (32 for Q4_K, Q5_K and IQ4_XS on
-  w4a8, 16 for Q6_K, 128 for trellis and for W4 in w4a16's portable loops), position j of every
-  unit is stored side by side, and R weight rows side by side too (codes [N / R, unit, U * R]). The dot products of all units of R rows then
-  grow together, one vector op per position, with no horizontal sum per unit; each unit's scale is
-  applied once at the end.
-- W4, Q4_0 and Q8_0 on w4a8 are laid out the other way round (`RowPlanes`): a unit's 16 weight rows
-  side by side in one vector, each row's four bytes of a quad in its int32 lane, so one activation
-  quad broadcast to all lanes serves 16 rows. The activations stay as quantized, one byte a level
-  (the position-major layout repeats them for each of the R rows), a tile of 8 token rows shares
-  each weight load, and a call of any length reads each weight once: 3.2-3.5x the position-major
-  kernels' speed from 4 token rows up (0.8B Q4_0 shapes, two cores).
+  for each unit of `unit` inputs that shares one weight scale (16 for Q6_K on w4a8, 128 for
+  trellis and for W4 in w4a16's portable loops), position j of every unit is stored side by side,
+  and R weight rows side by side too (codes [N / R, unit, U * R]). The dot products of all units of
+  R rows then grow together, one vector op per position, with no horizontal sum per unit; each
+  unit's scale is applied once at the end.
+- W4 and the GGUF blocks of 32-input units (all but Q6_K) on w4a8 are laid out the other way round
+  (`RowPlanes`): a unit's 16 weight rows side by side in one vector, each row's four bytes of a quad
+  in its int32 lane, so one activation quad broadcast to all lanes serves 16 rows. The activations
+  stay as quantized, one byte a level (the position-major layout repeats them for each of the R
+  rows), a tile of 8 token rows shares each weight load, and a call of any length reads each
+  weight once: 2.6-4.1x the position-major kernels' speed from 4 token rows up (0.8B shapes, two cores).
 - The token rows share the weight read. A group of weight rows is read from memory once and
   stays in L1 while each of the T <= 16 token rows runs the same code against it; integer dots are
   exact and every fp32 sum runs in a fixed order per token row, so a token row gets the same bits
@@ -1396,7 +1396,7 @@ class UnitPlanes:
     codes    `nibbles` (W4 for the w4a16 loops; levels -8..7 + 8, two a byte): uint8 [G, unit/4, L, 2],
              byte (p, lane, s) holding positions 2p + s and unit/2 + 2p + s. Else one level a byte:
              int8 [G, unit, L]; or, `quads`, uint8 [G, unit/4, L, 4], level + QUAD_BIAS of position
-             4p + s (as this CPU's quad_columns reads it). (W4, Q4_0 and Q8_0 on w4a8: RowPlanes.)
+             4p + s (as this CPU's quad_columns reads it). (W4 and the other GGUF blocks on w4a8: RowPlanes.)
     scale    [G, L]: the weight scale of each unit, fp32 (bf16 or a product of f16s, exact)
     minimum  fp32 [G, L] for Q4_K / Q5_K, else [G, 0]
     Rows past N (the last group's padding) have level 0 and scale 0.
