@@ -1497,7 +1497,8 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int, quads: boo
 def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int, unit: int, nibbles: bool):
     """Rows start..stop as (codes [r, positions, U], scale [r, U], minimum [r, U] or None), through
     the form's codec (engine/quant). Trellis levels come decoded to int8 (the route applies the row
-    scale after the sum, so their unit scales are 1)."""
+    scale after the sum, so their unit scales are 1). `nibbles`: two levels a byte, positions j and
+    j + unit/2, each + 8 (W4's and Q4_0's -8..7), or as they are where the codec's are 0..15 (Q4_K)."""
     rows = stop - start
     if isinstance(weight, TrellisWeight):
         levels, _ = weight.decode_rows(start, stop)  # [r, K/128, 128], rotated basis
@@ -1507,10 +1508,15 @@ def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int
     per_sub = levels.shape[2] // unit  # units one scale covers
     by_unit = levels.reshape(rows, -1, unit).transpose(0, 2, 1)  # [r, unit, U]
     if nibbles:
-        stored = (by_unit + 8).astype(np.uint8)
+        stored = (by_unit if _unsigned_nibbles(weight) else by_unit + 8).astype(np.uint8)
         by_unit = stored[:, : unit // 2] | (stored[:, unit // 2 :] << np.uint8(4))
     minimum = None if sub_minimum is None else np.repeat(sub_minimum, per_sub, axis=1)
     return by_unit, np.repeat(sub_scale, per_sub, axis=1), minimum
+
+
+def _unsigned_nibbles(weight) -> bool:
+    """Whether the weight's levels are 0..15 (Q4_K), stored in a nibble as they are."""
+    return isinstance(weight, BlockMatrix) and weight.qtype.name == "Q4_K"
 
 
 @dataclass(frozen=True)
@@ -1518,11 +1524,12 @@ class RowPlanes:
     """W4 or GGUF levels in units of 32 (all but Q6_K's 16) as _w4a8_rows reads them: ROWS weight
     rows side by side in a group, a row's four bytes of a quad of positions in one int32 lane.
 
-    codes  uint8 [G, U * 256] `nibbles` (W4, Q4_0: level + 8, two a byte): group g's byte
-           v * 256 + p * 64 + r * 4 + s holds row 16 g + r's positions 4p + s (low nibble) and
-           16 + 4p + s (high) of unit v, Q4_0's own block bytes 2 + 4p + s; or [G, U * 512] (Q8_0,
-           Q4_K, Q5_K, IQ4_XS: one level a byte, + QUAD_BIAS as this CPU's rows_tile reads it): byte
-           v * 512 + p * 64 + r * 4 + s is position 4p + s, Q8_0's block byte 2 + 4p + s
+    codes  uint8 [G, U * 256] `nibbles` (W4, Q4_0: level + 8, two a byte; Q4_K: its 0..15 levels as
+           they are, its minimum less 8 scales): group g's byte v * 256 + p * 64 + r * 4 + s holds
+           row 16 g + r's positions 4p + s (low nibble) and 16 + 4p + s (high) of unit v, Q4_0's own
+           block bytes 2 + 4p + s; or [G, U * 512] (Q8_0, Q5_K, IQ4_XS: one level a byte, + QUAD_BIAS
+           as this CPU's rows_tile reads it): byte v * 512 + p * 64 + r * 4 + s is position 4p + s,
+           Q8_0's block byte 2 + 4p + s
     scale  [G, U * 16]: unit v's scale of row 16 g + r at v * 16 + r; Q4_0's and Q8_0's f16 bits as
            their blocks hold them, or fp32 (W4's bf16 group scale for each of its units, a K-quant's
            or IQ4_XS's sub-block scale)
@@ -1555,7 +1562,7 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
     N, K = weight.shape
     U, G = K // 32, -(-N // ROWS)
     as_stored = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0")
-    nibbles = isinstance(weight, W4Weight) or weight.qtype.name == "Q4_0"
+    nibbles = isinstance(weight, W4Weight) or weight.qtype.name == "Q4_0" or _unsigned_nibbles(weight)
     codes = np.empty((G, U * (256 if nibbles else 512)), np.uint8)
     scale = np.empty((G, U * ROWS), np.uint16 if as_stored else np.float32)
     has_minimum = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_K", "Q5_K")
@@ -1586,7 +1593,10 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
             codes[first:last] = by_group(quads, pad, 0x88 if nibbles else flip)
             scale[first:last] = by_group(unit_scale.astype(np.float32), pad, 0)
             if has_minimum:
-                minimum[first:last] = by_group(unit_minimum.astype(np.float32), pad, 0)
+                unit_minimum = unit_minimum.astype(np.float32)
+                if _unsigned_nibbles(weight):  # the kernels take 8 off every nibble: the minimum gives 8 scales back
+                    unit_minimum = unit_minimum - np.float32(8) * unit_scale.astype(np.float32)
+                minimum[first:last] = by_group(unit_minimum, pad, 0)
             if isinstance(weight, BlockMatrix):
                 release_file_pages(weight.raw[start:stop])
 

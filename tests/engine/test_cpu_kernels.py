@@ -222,6 +222,18 @@ def test_row_planes_hold_blocks_and_w4_levels_as_laid_out(flip):
         assert np.array_equal(scales[:N], unit_scale) and not scales[N:].any()
 
 
+def test_q4_k_row_planes_hold_half_a_byte_a_level():
+    """Q4_K's 0..15 levels go into nibbles as they are (the kernels' - 8 comes back through the
+    minimum, less 8 scales): half the bytes of one level a byte; within the bound of its dequantized
+    blocks for a row alone and among a prefill's."""
+    weight = random_blocks(Q.Q4_K, 40, 512, seed=8)
+    p = compiled.repack_rows(weight)
+    assert p.nibbles and p.codes.nbytes == 48 * 512 // 2 and p.minimum.shape == (3, 16 * 16)
+    x = activations(20, 512, seed=8)
+    y = compiled.make_linear(weight, "w4a8")(x)
+    assert_within_sum_bound(y, gguf_reference(weight), int8_activations(x), terms=512)
+
+
 def family_and_generic(weight, kernels: str):
     """The same matrix as a Linear of the given kernel family and of the generic one."""
     make = compiled.TrellisLinear if isinstance(weight, T.TrellisWeight) else compiled.w4a8_linear
