@@ -589,12 +589,12 @@ if _numba:
                 for total in sum(totals, []):
                     builder.store(ir.Constant(floats, None), total)
 
-                def units(nibbles: bool) -> None:
-                    """The sum over units into the totals, for nibble or byte codes."""
-                    unit_bytes, offset = (256, 8) if nibbles else (512, QUAD_BIAS)
+                def units(nibbles: bool, inputs: int) -> None:
+                    """The sum over units of `inputs` (32, or Q6_K's 16) into the totals, for nibble or byte codes."""
+                    unit_bytes, offset = (256, 8) if nibbles else (16 * inputs, QUAD_BIAS)
                     # (weight vectors [half], activation offset in the unit) for each quad a lane sums
                     quads = [(p, 4 * p) for p in range(4)] + [(p, 16 + 4 * p) for p in range(4)] if nibbles else \
-                        [(p, 4 * p) for p in range(8)]
+                        [(p, 4 * p) for p in range(inputs // 4)]
                     with cgutils.for_range(builder, U) as unit:
                         v = unit.index
                         base = builder.add(builder.mul(g, row_bytes), builder.mul(v, const(unit_bytes)))
@@ -608,7 +608,7 @@ if _numba:
                         weight_scale = [load(S.data, floats, builder.add(builder.mul(v, const(16)), const(W * h)), 4) for h in range(halves)]
                         for i in range(tokens):
                             row = builder.add(t0, const(i))
-                            x_at = builder.add(builder.mul(row, K), builder.mul(v, const(32)))
+                            x_at = builder.add(builder.mul(row, K), builder.mul(v, const(inputs)))
                             x = [splat(load(Q.data, i32, builder.add(x_at, const(at)), 1), words) for _, at in quads]
                             unit_at = builder.add(builder.mul(row, U), v)
                             bias = splat(builder.mul(builder.load(builder.gep(XS.data, [unit_at])), ir.Constant(i32, offset)), words)
@@ -630,12 +630,18 @@ if _numba:
                                 term = builder.fmul(builder.sitofp(builder.sub(dot, bias), floats), builder.fmul(weight_scale[h], scale))
                                 builder.store(builder.fadd(builder.load(totals[i][h]), term), totals[i][h])
 
-                of_nibbles = builder.icmp_signed("==", row_bytes, builder.mul(U, const(256)))  # else 512 a unit: bytes
-                with builder.if_else(of_nibbles) as (on_nibbles, on_bytes):
-                    with on_nibbles:
-                        units(nibbles=True)
+                # a unit's bytes and inputs tell the codes: 256 and 32 nibbles, 512 and 32 or 256 and 16 bytes
+                of_bytes = builder.icmp_signed("==", row_bytes, builder.mul(U, const(512)))
+                of_nibbles = builder.icmp_signed("==", K, builder.mul(U, const(32)))
+                with builder.if_else(of_bytes) as (on_bytes, on_short_units):
                     with on_bytes:
-                        units(nibbles=False)
+                        units(nibbles=False, inputs=32)
+                    with on_short_units:
+                        with builder.if_else(of_nibbles) as (on_nibbles, on_sixteens):
+                            with on_nibbles:
+                                units(nibbles=True, inputs=32)
+                            with on_sixteens:
+                                units(nibbles=False, inputs=16)
                 acc_row = cgutils.unpack_tuple(builder, A.shape, 2)[1]
                 for i in range(tokens):
                     for h in range(halves):
@@ -704,18 +710,15 @@ def _rescale(dots, offset, lane_sum, scale, x_scale, terms, R, out, t, first):
 
 
 @_jit()
-def _w4a8_bytes(codes, scale, minimum, x, x_scale, x_sum, R, out, lo, hi):
-    """Levels in the int8 range, one a byte: codes int8 [G, unit * L]; x int16 [T, unit * L];
-    x_scale fp32 [T, L] as in _rescale, x_sum fp32 [T, U] (each unit's sum of activation levels).
+def _w4a8_bytes(codes, scale, x, x_scale, R, out, lo, hi):
+    """Levels in the int8 range, one a byte (trellis): codes int8 [G, unit * L]; x int16 [T, unit * L];
+    x_scale fp32 [T, L] as in _rescale.
 
-    out[t, n] as _rescale, minus, for types with a minimum (minimum fp32 [G, L]; [G, 0] when there
-    is none), sum_v (x_sum[t, v] * x_scale[t, v*R]) * minimum[n's lane v], in unit order. A product
-    fits int16 (|level * x| <= 128 * 127 = 16256), and so does the sum of two; a term holds four
+    out[t, n] as _rescale. A product fits int16 (|level * x| <= 128 * 127 = 16256), and so does the sum of two; a term holds four
     positions of a lane (j, j + unit/4, j + unit/2, j + 3 unit/4; unit is 16, 32 or 128), and the
     terms fold in int32."""
     T, quarter, L = x.shape[0], codes.shape[1] // 4, scale.shape[1]
-    terms32, terms, acc = np.empty(quarter, np.int32), np.empty(L, np.float32), np.empty(R, np.float32)
-    scratch = np.empty(L, np.uint32)
+    terms32, terms, scratch = np.empty(quarter, np.int32), np.empty(L, np.float32), np.empty(L, np.uint32)
     for g in range(lo, hi):
         c, group_scale = codes[g], unit_scales(scale[g], scratch)
         c0, c1, c2, c3 = c[:quarter], c[quarter : 2 * quarter], c[2 * quarter : 3 * quarter], c[3 * quarter :]
@@ -727,21 +730,6 @@ def _w4a8_bytes(codes, scale, minimum, x, x_scale, x_sum, R, out, lo, hi):
                               + np.int32(np.int16(np.int16(c1[i]) * x1[i]) + np.int16(np.int16(c3[i]) * x3[i])))
             _fold(terms32, L)
             _rescale(terms32[:L], np.int32(0), terms32[:L], group_scale, x_scale[t], terms, R, out, t, g * R)  # no stored offset
-        _subtract_minimum(minimum, g, x_sum, x_scale, R, acc, out)
-
-
-@_jit()
-def _subtract_minimum(minimum, g, x_sum, x_scale, R, acc, out):
-    """For types with a minimum (minimum fp32 [G, L]; [G, 0] when there is none): out[t, n] -= sum_v
-    (x_sum[t, v] * x_scale[t, v*R]) * minimum[g, v*R + r] for group g's rows n = g*R + r, in unit order."""
-    T, U = x_sum.shape[0] if minimum.shape[1] > 0 else 0, x_sum.shape[1]
-    for t in range(T):
-        acc[:] = 0
-        for v in range(U):
-            for r in range(R):
-                acc[r] += (x_sum[t, v] * x_scale[t, v * R]) * minimum[g, v * R + r]
-        for r in range(min(R, out.shape[1] - g * R)):
-            out[t, g * R + r] -= acc[r]
 
 
 @_jit()
@@ -759,15 +747,14 @@ def _quad_tail(plane, x, x_at, quads, dots):
 
 
 @_jit()
-def _w4a8_byte_quads(codes, scale, minimum, x, x_scale, x_sum, lane_sum, R, out, lo, hi):
+def _w4a8_byte_quads(codes, scale, x, x_scale, lane_sum, R, out, lo, hi):
     """_w4a8_bytes with quad_columns. codes uint8 [G, unit/4 * L * 4]: level + QUAD_BIAS at byte
     (p, lane, s) for position 4p + s; x int8 [T, unit/4 * L * 4] likewise; lane_sum int32 [T, L]
-    (x_sum of each lane's unit). dot = the quads' sum - QUAD_BIAS lane_sum: _w4a8_bytes' integers,
-    then its rescale and minimum, so its bits."""
+    (the sum of each lane's unit's activation levels). dot = the quads' sum - QUAD_BIAS lane_sum:
+    _w4a8_bytes' integers, then its rescale, so its bits."""
     T, n, L = x.shape[0], codes.shape[1], scale.shape[1]
     quads = n // (4 * L)
-    dots, terms, acc = np.empty(L, np.int32), np.empty(L, np.float32), np.empty(R, np.float32)
-    scratch = np.empty(L, np.uint32)
+    dots, terms, scratch = np.empty(L, np.int32), np.empty(L, np.float32), np.empty(L, np.uint32)
     for g in range(lo, hi):
         c, group_scale = codes[g], unit_scales(scale[g], scratch)
         tail_plane = c if QUAD_BIAS else c.view(np.int8)  # the tail reads the levels as the columns do
@@ -775,7 +762,6 @@ def _w4a8_byte_quads(codes, scale, minimum, x, x_scale, x_sum, lane_sum, R, out,
             quad_columns(c, x[t], dots, 0, quads, L)
             _quad_tail(tail_plane, x[t], 0, quads, dots)
             _rescale(dots, np.int32(QUAD_BIAS), lane_sum[t], group_scale, x_scale[t], terms, R, out, t, g * R)
-        _subtract_minimum(minimum, g, x_sum, x_scale, R, acc, out)
 
 
 ROWS = 16  # weight rows a RowPlanes group holds: one vpdpbusd's int32 lanes (two AVX2 vectors)
@@ -837,12 +823,13 @@ def _w4a8_rows_loops(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
     """_w4a8_rows in plain loops (the "generic" family), the same numbers in the same order: per
     token row t and weight row n = 16 g + r, total = 0, then for each unit v in order total +=
     fp32(dot - offset x_sum[t, v]) * (scale[g, v * 16 + r] * x_scale[t, v]), dot the unit's 32
-    products of stored code x level, exact in int32. Nibbles (offset 8): byte (v, p, r, s) of a
-    group holds positions 4p + s (low) and 16 + 4p + s (high); bytes (offset 0 here, where levels
-    are stored as they are): byte (v, p, r, s) position 4p + s, p < 8."""
+    (Q6_K: 16) products of stored code x level, exact in int32. Nibbles (offset 8): byte (v, p, r,
+    s) of a group holds positions 4p + s (low) and 16 + 4p + s (high); bytes (offset 0 here, where
+    levels are stored as they are): byte (v, p, r, s) position 4p + s, p < inputs / 4."""
     T, N = out.shape
     U = x_sum.shape[1]
-    nibbles = codes.shape[1] == 256 * U
+    inputs = q.shape[1] // U  # a unit's: 32, or Q6_K's 16
+    nibbles = codes.shape[1] == 256 * U and inputs == 32
     scratch, unit_total = np.empty(scale.shape[1], np.uint32), np.empty(ROWS, np.float32)
     for g in range(lo, hi):
         group_scale = unit_scales(scale[g], scratch)
@@ -859,9 +846,9 @@ def _w4a8_rows_loops(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
                                 dot += (byte & 15) * np.int32(q[t, v * 32 + 4 * p + s]) + (byte >> 4) * np.int32(q[t, v * 32 + 16 + 4 * p + s])
                         dot -= 8 * x_sum[t, v]
                     else:
-                        for p in range(8):
+                        for p in range(inputs // 4):
                             for s in range(4):
-                                dot += np.int32(np.int8(c[v * 512 + p * 64 + r * 4 + s])) * np.int32(q[t, v * 32 + 4 * p + s])
+                                dot += np.int32(np.int8(c[v * 16 * inputs + p * 64 + r * 4 + s])) * np.int32(q[t, v * inputs + 4 * p + s])
                     term = np.float32(dot) * (group_scale[v * ROWS + r] * x_scale[t, v])
                     total = total + term
                 out[t, g * ROWS + r] = total
@@ -900,29 +887,13 @@ def _w4a16_nibbles(codes, scale, x, units, out, lo, hi):
                 out[t, g * R + r] = acc[r]
 
 
-def position_offsets(unit: int, half: int, width: int, L: int) -> np.ndarray:
-    """Where the kernels' layouts put position j of a unit, before its lane's own offset (lane * width):
-    a unit's positions in halves of `half` (unit/2 where a byte holds a low and a high half; unit for
-    the byte kernels), each half in runs of `width` adjacent positions a lane (1: position-major;
-    2: pairs; 4: quads, the quad_columns kernels), runs of L lanes.
-    int64 [unit]."""
-    j = np.arange(unit)
-    runs = j // half * (half // width) + j % half // width
-    return runs * L * width + j % width
-
-
 @_jit()
-def _int8_lanes(x, unit, R, offsets, width, q, x_scale, x_sum, lane_sum, lo, hi):
-    """The w4a8 route's activations, laid out for the kernels in one pass (quantize_int8_blocks and
-    TiledLinear.by_lanes in numpy, which took ~30 us a call, 110 calls a 0.8B step).
-
-    x fp32 [T, K] -> q [T, unit * L] with L = U * R lanes (lane v * R + r: unit v, for each of R
-    rows): the int8 level of input v * unit + j at offsets[j] + lane * width (position_offsets; int16
-    q for the position-major byte kernel, else int8). x_scale fp32 [T, L]: the scale of the 32-input
-    block holding the lane's unit (absmax / 127); x_sum fp32 [T, U]: each unit's sum of levels, and
-    lane_sum int32 [T, L] the same for each lane (what the quad kernels subtract). With R = 1, offsets
-    0..unit-1 and width = unit every level lands where its input is (W4A8RowsLinear's layout).
-    Levels round half to even (np.rint), as quantize_int8_blocks: the same bits. Token rows [lo, hi)."""
+def _int8_units(x, unit, q, x_scale, unit_sum, lo, hi):
+    """The w4a8 route's activations in one pass (quantize_int8_blocks in numpy took ~30 us a call,
+    110 calls a 0.8B step): x fp32 [T, K] -> q int8 [T, K], each input's level where the input is;
+    x_scale fp32 [T, U]: the scale of the 32-input block holding unit u (absmax / 127); unit_sum
+    int32 [T, U]: each unit's sum of levels (what the kernels take the codes' stored offset off
+    with). Levels round half to even (np.rint), as quantize_int8_blocks: the same bits. Token rows [lo, hi)."""
     K = x.shape[1]
     per_block = ACT_BLOCK // unit  # units an activation scale covers (2 for Q6_K's 16)
     for t in range(lo, hi):
@@ -933,23 +904,18 @@ def _int8_lanes(x, unit, R, offsets, width, q, x_scale, x_sum, lane_sum, lo, hi)
             scale = absmax / np.float32(INT8_MAX)
             safe = scale if scale > 0 else np.float32(1)
             for u in range(b * per_block, (b + 1) * per_block):
-                for r in range(R):
-                    x_scale[t, u * R + r] = scale
-                total = np.float32(0)
-                for j in range(unit):
-                    level = np.rint(x[t, u * unit + j] / safe)
-                    total += level
-                    at = offsets[j] + u * R * width
-                    for r in range(R):
-                        q[t, at + width * r] = level
-                x_sum[t, u] = total
-                for r in range(R):
-                    lane_sum[t, u * R + r] = np.int32(total)
+                x_scale[t, u] = scale
+                total = np.int32(0)
+                for j in range(u * unit, (u + 1) * unit):
+                    level = np.rint(x[t, j] / safe)
+                    total += np.int32(level)
+                    q[t, j] = level
+                unit_sum[t, u] = total
 
 
-# A prefill tile's 16 rows of activations split between the cores (~100 us a tile on one, 865 tiles a
-# 128-token 0.8B prefill); a verify pass's few rows take less than handing half over costs.
-INT8_LANES_SPLIT_ROWS = 8
+# A prefill's rows of activations split between the cores from this many rows; a verify pass's few
+# rows take less than handing half over costs.
+INT8_UNITS_SPLIT_ROWS = 8
 
 DENSE_GROUP = 4  # weight rows a dense dot loop serves at once: each load of x feeds four products
 
@@ -1365,9 +1331,9 @@ def _w4a16_lanes_parts(args, n, parts):
 
 
 @_parallel_jit
-def _int8_lanes_parts(args, n, parts):
+def _int8_units_parts(args, n, parts):
     for p in _prange(parts):
-        _int8_lanes(*args, n * p // parts, n * (p + 1) // parts)
+        _int8_units(*args, n * p // parts, n * (p + 1) // parts)
 
 
 @_parallel_jit
@@ -1385,7 +1351,7 @@ def _deltanet_heads_parts(args, n, parts):
 _PARTS_DRIVERS = {_w4a8_bytes: _w4a8_bytes_parts, _w4a8_byte_quads: _w4a8_byte_quads_parts,
                   _w4a8_rows: _w4a8_rows_parts, _w4a8_rows_loops: _w4a8_rows_loops_parts,
                   _w4a16_nibbles: _w4a16_nibbles_parts, _dense: _dense_parts, _dense_bf16: _dense_bf16_parts,
-                  _bf16_lanes: _bf16_lanes_parts, _w4a16_lanes: _w4a16_lanes_parts, deltanet_heads: _deltanet_heads_parts, _int8_lanes: _int8_lanes_parts,
+                  _bf16_lanes: _bf16_lanes_parts, _w4a16_lanes: _w4a16_lanes_parts, deltanet_heads: _deltanet_heads_parts, _int8_units: _int8_units_parts,
                   swiglu_rows: _swiglu_rows_parts}
 
 
@@ -1398,13 +1364,11 @@ class UnitPlanes:
              int8 [G, unit, L]; or, `quads`, uint8 [G, unit/4, L, 4], level + QUAD_BIAS of position
              4p + s (as this CPU's quad_columns reads it). (W4 and the other GGUF blocks on w4a8: RowPlanes.)
     scale    [G, L]: the weight scale of each unit, fp32 (bf16 or a product of f16s, exact)
-    minimum  fp32 [G, L] for Q4_K / Q5_K, else [G, 0]
     Rows past N (the last group's padding) have level 0 and scale 0.
     """
 
     codes: np.ndarray
     scale: np.ndarray
-    minimum: np.ndarray
     rows: int
     group: int  # weight rows side by side in a group (R)
     unit: int
@@ -1425,7 +1389,7 @@ class UnitPlanes:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.minimum.nbytes
+        return self.codes.nbytes + self.scale.nbytes
 
     @property
     def width(self) -> int:
@@ -1448,7 +1412,7 @@ def rows_per_group(units: int) -> int:
     return max(1, min(MAX_GROUP, -(-MIN_LANES // units)))
 
 
-def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int, quads: bool = False) -> UnitPlanes:
+def repack(weight: W4Weight | TrellisWeight, unit: int, quads: bool = False) -> UnitPlanes:
     """Lay a matrix's levels out by units of `unit` inputs, R rows side by side, a chunk of rows at a
     time split between the cores. Two levels a byte for W4 (the w4a16 loops, _w4a16_nibbles);
     `quads`: in runs of four positions a lane, for the quad_columns kernels (UnitPlanes.codes)."""
@@ -1462,8 +1426,6 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int, quads: boo
     codes = np.empty((G, positions // width, R * U, width), np.uint8 if quads or nibbles else np.int8)
     flip = QUAD_BIAS if quads and not nibbles else 0  # level + 128 on vnni
     scale = np.empty((G, R * U), np.float32)
-    has_minimum = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_K", "Q5_K")
-    minimum = np.empty((G, R * U if has_minimum else 0), np.float32)
     step = R * max(1, REPACK_ROWS_WEIGHTS // K // R)  # whole groups
 
     def lanes(values: np.ndarray) -> np.ndarray:
@@ -1480,18 +1442,14 @@ def repack(weight: W4Weight | BlockMatrix | TrellisWeight, unit: int, quads: boo
         for start in range(lo * step, min(N, hi * step), step):
             stop = min(N, start + step)
             first, last = start // R, -(-stop // R)
-            by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)
+            by_unit, unit_scale, _ = _units(weight, start, stop, unit, nibbles)
             laid = lanes(by_unit)  # [g, positions, L]: nibbles' byte j holds positions j and j + unit/2
             by_width = laid.reshape(last - first, positions // width, width, R * U).transpose(0, 1, 3, 2)
             codes[first:last] = by_width.astype(np.int16) + flip if flip else by_width
             scale[first:last] = lanes(unit_scale)
-            if has_minimum:
-                minimum[first:last] = lanes(unit_minimum)
-            if isinstance(weight, BlockMatrix):
-                release_file_pages(weight.raw[start:stop])
 
     in_parallel(chunks, -(-N // step))
-    return UnitPlanes(codes, scale, minimum, N, R, unit, nibbles, quads)
+    return UnitPlanes(codes, scale, N, R, unit, nibbles, quads)
 
 
 def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int, unit: int, nibbles: bool):
@@ -1521,8 +1479,8 @@ def _unsigned_nibbles(weight) -> bool:
 
 @dataclass(frozen=True)
 class RowPlanes:
-    """W4 or GGUF levels in units of 32 (all but Q6_K's 16) as _w4a8_rows reads them: ROWS weight
-    rows side by side in a group, a row's four bytes of a quad of positions in one int32 lane.
+    """W4 or GGUF levels as _w4a8_rows reads them: ROWS weight rows side by side in a group, by
+    units of inputs under one scale, a row's four bytes of a quad of positions in one int32 lane.
 
     codes  uint8 [G, U * 256] `nibbles` (W4, Q4_0: level + 8, two a byte; Q4_K: its 0..15 levels as
            they are, its minimum less 8 scales): group g's byte v * 256 + p * 64 + r * 4 + s holds
@@ -1534,6 +1492,7 @@ class RowPlanes:
            their blocks hold them, or fp32 (W4's bf16 group scale for each of its units, a K-quant's
            or IQ4_XS's sub-block scale)
     minimum fp32 [G, U * 16] for Q4_K and Q5_K (weight = scale x level - minimum), else [G, 0]
+    unit   inputs a unit (one scale) holds: 32, or Q6_K's 16 (bytes [G, U * 256], 4 quads a unit)
     Rows past N (the last group's padding) have level 0 and scale 0."""
 
     codes: np.ndarray
@@ -1541,6 +1500,7 @@ class RowPlanes:
     minimum: np.ndarray
     rows: int
     nibbles: bool
+    unit: int
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -1556,14 +1516,15 @@ class RowPlanes:
 
 
 def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
-    """A W4 or GGUF matrix (units of 32) as RowPlanes, a chunk of groups at a time split between the
-    cores: Q4_0's and Q8_0's bytes move as they are (_blocks_to_rows), other levels come through their
-    codec; byte levels xor `flip` (QUAD_BIAS for vnni)."""
+    """A W4 or GGUF matrix as RowPlanes, a chunk of groups at a time split between the cores: Q4_0's
+    and Q8_0's bytes move as they are (_blocks_to_rows), other levels come through their codec; byte
+    levels xor `flip` (QUAD_BIAS for vnni)."""
     N, K = weight.shape
-    U, G = K // 32, -(-N // ROWS)
+    unit = min(ACT_BLOCK, weight.block_size())  # 32, or Q6_K's 16
+    U, G = K // unit, -(-N // ROWS)
     as_stored = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0")
     nibbles = isinstance(weight, W4Weight) or weight.qtype.name == "Q4_0" or _unsigned_nibbles(weight)
-    codes = np.empty((G, U * (256 if nibbles else 512)), np.uint8)
+    codes = np.empty((G, U * (256 if nibbles else 16 * unit)), np.uint8)
     scale = np.empty((G, U * ROWS), np.uint16 if as_stored else np.float32)
     has_minimum = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_K", "Q5_K")
     minimum = np.empty((G, U * ROWS if has_minimum else 0), np.float32)
@@ -1585,7 +1546,7 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
                 _blocks_to_rows(weight.raw, codes, scale, first, last, 0 if nibbles else flip, 0x88 if nibbles else flip)
                 release_file_pages(weight.raw[start:stop])
                 continue
-            by_unit, unit_scale, unit_minimum = _units(weight, start, stop, 32, nibbles)  # [r, 16 or 32, U], [r, U]
+            by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)  # [r, positions, U], [r, U]
             pad = (last - first) * ROWS - (stop - start)
             quads = by_unit.transpose(0, 2, 1).reshape(stop - start, U, -1, 4)  # [r, v, p, s]
             if not nibbles:  # int8 levels as this family's kernel reads them
@@ -1601,7 +1562,7 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
                 release_file_pages(weight.raw[start:stop])
 
     in_parallel(chunks, -(-G // step))
-    return RowPlanes(codes, scale, minimum, N, nibbles)
+    return RowPlanes(codes, scale, minimum, N, nibbles, unit)
 
 
 @_jit()
@@ -1669,7 +1630,7 @@ class TiledLinear(PlanesLinear):
             return None
         groups = stop // p.group
         leading = copy.copy(self)
-        leading.planes = replace(p, codes=p.codes[:groups], scale=p.scale[:groups], minimum=p.minimum[:groups], rows=stop)
+        leading.planes = replace(p, codes=p.codes[:groups], scale=p.scale[:groups], rows=stop)
         return leading
 
     def by_lanes(self, values: np.ndarray, dtype) -> np.ndarray:
@@ -1680,60 +1641,27 @@ class TiledLinear(PlanesLinear):
         return np.repeat(by_unit.astype(dtype), p.group, axis=2)
 
 
-class W4A8Linear(TiledLinear):
-    """`w4a8` on the GGUF blocks W4A8RowsLinear does not take: activations int8 per 32 inputs
-    (absmax, fp32 scale), an integer dot per unit, fp32 rescale, as cpu.W4A8Linear; sums in unit
-    order (_w4a8_bytes, or _w4a8_byte_quads: `kernels` is one of int8_dot_kernels(), the first by default)."""
-
-    route = "w4a8"
-
-    def __init__(self, weight: BlockMatrix, kernels: str | None = None):
-        p = self.planes = repack(weight, min(ACT_BLOCK, weight.block_size()), quads=(kernels or QUAD_FAMILY) != "generic")
-        self.offsets = position_offsets(p.unit, p.unit, p.width, p.units * p.group)
-        self.layout = (p.unit, p.group, p.units, p.width)
-
-    def prepare(self, x: np.ndarray):
-        # the planes' layout read once (its properties cost ~0.4 us each, ~10 a call, ~110 calls a 0.8B step)
-        unit, group, units, width = self.layout
-        T, lanes = x.shape[0], units * group
-        q = np.empty((T, unit * lanes), np.int16 if width == 1 else np.int8)
-        x_scale, x_sum, lane_sum = np.empty((T, lanes), np.float32), np.empty((T, units), np.float32), np.empty((T, lanes), np.int32)
-        args = (np.ascontiguousarray(x, dtype=np.float32), unit, group, self.offsets, width, q, x_scale, x_sum, lane_sum)
-        split_kernel(_int8_lanes, args, T, split=T >= INT8_LANES_SPLIT_ROWS)
-        # the quad kernels undo the bytes' + QUAD_BIAS with each lane's unit sum
-        return q, x_scale, x_sum, lane_sum
-
-    def launch(self, prepared, out: np.ndarray):
-        q, x_scale, x_sum, lane_sum = prepared
-        p = self.planes
-        if p.quads:
-            return _w4a8_byte_quads, (p.flat_codes, p.scale, p.minimum, q, x_scale, x_sum, lane_sum, p.group, out)
-        return _w4a8_bytes, (p.flat_codes, p.scale, p.minimum, q, x_scale, x_sum, p.group, out)
-
-
-class W4A8RowsLinear(PlanesLinear):
-    """`w4a8` on W4 and GGUF blocks of 32 (w4a8_linear), as cpu.W4A8Linear: activations int8 per 32 inputs (absmax, fp32
+class W4A8Linear(PlanesLinear):
+    """`w4a8` on W4 and GGUF blocks, as cpu.W4A8Linear: activations int8 per 32 inputs (absmax, fp32
     scale), an integer dot per unit, fp32 rescale, the units summed in order (RowPlanes, _w4a8_rows;
-    `kernels` as W4A8Linear's, "generic" running _w4a8_rows_loops for the same bits). The activations
-    stay one byte a level, as quantized, for the kernel to broadcast: a call of any length is one
-    pass over the weights."""
+    `kernels` is one of int8_dot_kernels(), the first by default: "generic" runs _w4a8_rows_loops
+    for the same bits). The activations stay one byte a level, as quantized, for the kernel to
+    broadcast: a call of any length is one pass over the weights."""
 
     route = "w4a8"
-    UNIT_OFFSETS = np.arange(32)  # _int8_lanes' layout with one lane a unit: each level where its input is
-
     def __init__(self, weight: W4Weight | BlockMatrix, kernels: str | None = None):
         family = kernels or QUAD_FAMILY
         self.planes = repack_rows(weight, flip=QUAD_BIAS if family == "vnni" else 0)
         self.kernel = _w4a8_rows_loops if family == "generic" else _w4a8_rows
 
     def prepare(self, x: np.ndarray):
-        """x fp32 [T, K] -> levels int8 [T, K], each unit's level sum int32 [T, U] and scale fp32 [T, U]."""
+        """x fp32 [T, K] -> levels int8 [T, K], each unit's level sum int32 [T, U] and scale fp32 [T, U]
+        (the scale of the 32 inputs holding the unit)."""
         T, K = x.shape
-        q, x_sum, lane_sum, x_scale = (np.empty((T, K), np.int8), np.empty((T, K // 32), np.float32),
-                                       np.empty((T, K // 32), np.int32), np.empty((T, K // 32), np.float32))
-        args = (x, 32, 1, self.UNIT_OFFSETS, 32, q, x_scale, x_sum, lane_sum)  # lanes 32 apart, one a unit
-        split_kernel(_int8_lanes, args, T, split=T >= INT8_LANES_SPLIT_ROWS)
-        return q, lane_sum, x_scale
+        U = K // self.planes.unit
+        q, unit_sum, x_scale = np.empty((T, K), np.int8), np.empty((T, U), np.int32), np.empty((T, U), np.float32)
+        split_kernel(_int8_units, (x, self.planes.unit, q, x_scale, unit_sum), T, split=T >= INT8_UNITS_SPLIT_ROWS)
+        return q, unit_sum, x_scale
 
     def launch(self, prepared, out: np.ndarray):
         """(kernel, args): the kernel runs kernel(*args, lo, hi) over groups [lo, hi), as TiledLinear's."""
@@ -1747,7 +1675,7 @@ class W4A8RowsLinear(PlanesLinear):
         split_kernel(kernel, args, self.planes.codes.shape[0], split=N * K >= SPLIT_MIN_WEIGHTS)
         return out
 
-    def leading_rows(self, stop: int) -> W4A8RowsLinear | None:
+    def leading_rows(self, stop: int) -> W4A8Linear | None:
         """This Linear over weight rows 0..stop-1 alone, reading the same codes (no copy): the draft
         shortlist's leading block of the head. None when stop does not end a group of rows."""
         if stop % ROWS or stop > self.planes.rows:
@@ -1755,12 +1683,6 @@ class W4A8RowsLinear(PlanesLinear):
         leading = copy.copy(self)
         leading.planes = self.planes.leading(stop // ROWS)
         return leading
-
-
-def w4a8_linear(weight: W4Weight | BlockMatrix, kernels: str | None = None) -> W4A8RowsLinear | W4A8Linear:
-    """The compiled `w4a8` Linear: W4 and GGUF blocks of 32 in RowPlanes, Q6_K's units of 16 in UnitPlanes."""
-    rows = isinstance(weight, W4Weight) or weight.block_size() % 32 == 0
-    return W4A8RowsLinear(weight, kernels) if rows else W4A8Linear(weight, kernels)
 
 
 class TrellisLinear(TiledLinear):
@@ -1783,11 +1705,11 @@ class TrellisLinear(TiledLinear):
         lane_scale = np.repeat(act_scale.astype(np.float32), p.group, axis=1)  # [T, B * R]
         if not p.quads:
             levels = self.by_lanes(q.reshape(T, -1), np.int16)  # [T, 128, L]
-            return levels.reshape(T, -1), lane_scale, act_scale.astype(np.float32), None
+            return levels.reshape(T, -1), lane_scale, None
         levels = self.by_lanes(q.reshape(T, -1), np.int8)  # [T, 128, L] -> quads [T, 32, L, 4]
         quads = np.ascontiguousarray(levels.reshape(T, GROUP // 4, 4, -1).transpose(0, 1, 3, 2))
         lane_sum = np.repeat(q.sum(axis=2, dtype=np.int32), p.group, axis=1)  # [T, B * R]
-        return quads.reshape(T, -1), lane_scale, act_scale.astype(np.float32), lane_sum
+        return quads.reshape(T, -1), lane_scale, lane_sum
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         out = super().__call__(x)
@@ -1795,11 +1717,11 @@ class TrellisLinear(TiledLinear):
         return out
 
     def launch(self, prepared, out: np.ndarray):
-        q, lane_scale, act_scale, lane_sum = prepared  # act_scale stands in for x_sum: no minimum reads it
+        q, lane_scale, lane_sum = prepared
         p = self.planes
         if p.quads:
-            return _w4a8_byte_quads, (p.flat_codes, p.scale, p.minimum, q, lane_scale, act_scale, lane_sum, p.group, out)
-        return _w4a8_bytes, (p.flat_codes, p.scale, p.minimum, q, lane_scale, act_scale, p.group, out)
+            return _w4a8_byte_quads, (p.flat_codes, p.scale, q, lane_scale, lane_sum, p.group, out)
+        return _w4a8_bytes, (p.flat_codes, p.scale, q, lane_scale, p.group, out)
 
 
 def w4a16_linear(weight: W4Weight, kernels: str | None = None) -> W4A16Lanes | W4A16Linear:
@@ -1987,8 +1909,9 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
         return BlockMatrix(qtype, np.zeros((8, 256 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]), np.uint8), 256)
 
     w4 = W4Weight(np.zeros((8, 32), np.uint32), np.zeros((8, 2), np.uint16))
+    trellis = TrellisWeight(np.zeros((32, 32), np.uint8), np.ones(16, np.float32), (16, 256), 2, 0)  # 32 tiles of 16 x 8, 2 bits
     # each kernel for each scale dtype it meets: f16 bits (Q4_0, Q8_0) and fp32 (IQ4_XS, Q4_K, W4, Q6_K)
-    linears = [w4a8_linear(blocks(name)) for name in ("Q4_0", "IQ4_XS", "Q8_0", "Q4_K", "Q6_K")] + [w4a8_linear(w4), w4a16_linear(w4), DenseLinear(x4),
+    linears = [W4A8Linear(blocks(name)) for name in ("Q4_0", "IQ4_XS", "Q8_0", "Q4_K", "Q6_K")] + [W4A8Linear(w4), TrellisLinear(trellis), w4a16_linear(w4), DenseLinear(x4),
                                                                                          BF16Linear(BF16Matrix(np.zeros((8, 256), np.uint16)))]
     steps = [lambda linear=linear: (linear(x1), linear(x4)) for linear in linears]
     vector, rows = np.zeros(2, np.float32), np.zeros((1, 2), np.float32)  # 2 value heads of 4, one key head
@@ -2031,7 +1954,7 @@ class _Compiled:
     DenseLinear = DenseLinear
     BF16Linear = BF16Linear
     W4A16Linear = staticmethod(w4a16_linear)
-    W4A8Linear = staticmethod(w4a8_linear)
+    W4A8Linear = W4A8Linear
     TrellisLinear = TrellisLinear
     PermutedInput = cpu.PermutedInput
 

@@ -96,7 +96,7 @@ def test_gguf_w4a8_within_the_sum_bound_of_gguf_reference(qtype, rows):
     weight = random_blocks(qtype, 48, 512, seed=qtype.value)
     x = activations(rows, 512, seed=rows)
     linear = compiled.make_linear(weight, "w4a8")
-    assert type(linear) is (compiled.W4A8Linear if qtype == Q.Q6_K else compiled.W4A8RowsLinear)
+    assert type(linear) is compiled.W4A8Linear
     y = linear(x)
     assert y.dtype == np.float32 and y.shape == (rows, 48)
     assert_within_sum_bound(y, gguf_reference(weight), int8_activations(x), terms=512)
@@ -149,37 +149,10 @@ def test_trellis_within_the_sum_bound_of_the_level_function(k):
     assert_within_sum_bound(linear(x), trellis_reference(weight), x64, terms=256)
 
 
-@pytest.mark.parametrize("kernels", compiled.int8_dot_kernels())
-@pytest.mark.parametrize("qtype", [Q.Q6_K], ids=lambda t: t.name)
-def test_activations_are_the_routes_int8_levels_bit_for_bit(qtype, kernels):
-    """The kernels' fused quantization gives quantize_int8_blocks' levels, scales and unit sums exactly:
-    halves that round to even, an all-zero block (scale 0, levels 0), a block whose absmax is negative."""
-    linear = compiled.W4A8Linear(random_blocks(qtype, 16, 256, seed=1), kernels)
-    x = activations(3, 256, seed=2)
-    x[0, :32] = 0.0
-    x[1, 32:64] = np.arange(32, dtype=np.float32) - 15.5  # halves, and
-    x[1, 32] = 127.0  # absmax 127: scale exactly 1, so each half is a tie to round to even
-    x[2, 64:96] *= -100
-    q, x_scale, x_sum, lane_sum = linear.prepare(x)
-    levels, scale = quantize_int8_blocks(x)  # [T, K/32, 32], [T, K/32]
-    unit, p = linear.planes.unit, linear.planes
-    by_unit = levels.reshape(3, -1, unit)  # [T, U, unit]
-    lanes = np.repeat(by_unit.transpose(0, 2, 1), p.group, axis=2)  # [T, unit, U * R]: position-major, R copies
-    # runs of `width` adjacent positions a lane: [T, runs, L, width]
-    width = 4 if p.quads else 1
-    lanes = lanes.reshape(3, unit // width, width, -1).transpose(0, 1, 3, 2)
-    assert q.dtype == (np.int16 if width == 1 else np.int8) and np.array_equal(q, lanes.reshape(3, -1))
-    unit_scale = np.repeat(scale, 32 // unit, axis=1)  # [T, U]
-    assert np.array_equal(x_scale.view(np.uint32), np.repeat(unit_scale, p.group, axis=1).view(np.uint32))
-    unit_sum = by_unit.sum(axis=-1)
-    assert np.array_equal(x_sum, unit_sum)
-    assert lane_sum.dtype == np.int32 and np.array_equal(lane_sum, np.repeat(unit_sum, p.group, axis=1))
-
-
 def test_row_plane_activations_are_the_routes_int8_levels_in_place():
     """W4A8RowsLinear keeps the levels where their inputs are, one byte each, with each unit's
     level sum and scale: quantize_int8_blocks' numbers, bit for bit, the same edge cases as above."""
-    linear = compiled.w4a8_linear(random_blocks(Q.Q4_0, 16, 256, seed=1))
+    linear = compiled.W4A8Linear(random_blocks(Q.Q4_0, 16, 256, seed=1))
     x = activations(3, 256, seed=2)
     x[0, :32] = 0.0
     x[1, 32:64] = np.arange(32, dtype=np.float32) - 15.5
@@ -236,7 +209,7 @@ def test_q4_k_row_planes_hold_half_a_byte_a_level():
 
 def family_and_generic(weight, kernels: str):
     """The same matrix as a Linear of the given kernel family and of the generic one."""
-    make = compiled.TrellisLinear if isinstance(weight, T.TrellisWeight) else compiled.w4a8_linear
+    make = compiled.TrellisLinear if isinstance(weight, T.TrellisWeight) else compiled.W4A8Linear
     return make(weight, kernels), make(weight, "generic")
 
 
@@ -262,7 +235,7 @@ def test_each_kernel_family_gives_the_same_bits(make):
     x = activations(40, weight.shape[1], seed=9) * np.float32(3)
     for family in kernels[:-1]:
         fast, generic = family_and_generic(weight, family)
-        if isinstance(fast, compiled.W4A8RowsLinear):
+        if isinstance(fast, compiled.W4A8Linear):
             assert (fast.kernel, generic.kernel) == (compiled._w4a8_rows, compiled._w4a8_rows_loops)
         else:
             assert fast.planes.quads and not generic.planes.quads
@@ -381,7 +354,7 @@ def test_row_counts_that_leave_a_partial_group(N, qtype):
     assert_within_sum_bound(y, gguf_reference(weight), int8_activations(x), terms=256)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)  # RowPlanes with a minimum, UnitPlanes
+@pytest.mark.parametrize("qtype", [Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)  # a minimum; units of 16
 def test_a_weight_row_has_the_same_bits_however_the_rows_are_split(qtype):
     linear = compiled.make_linear(random_blocks(qtype, 96, 512, 31), "w4a8")
     x = activations(3, 512, seed=31)
@@ -526,11 +499,10 @@ def test_the_draft_shortlist_reads_the_heads_own_planes():
     65,536 rows were 72 MB more), with the head's bits; rows that end inside a group are copied."""
     from duet.engine.backend.cpu_ops import CpuOps
 
-    for matrix, group in ((random_blocks(Q.Q8_0, 1000, 256, seed=11), compiled.ROWS), (random_blocks(Q.Q6_K, 1000, 256, seed=12), 8)):
+    for matrix in (random_blocks(Q.Q8_0, 1000, 256, seed=11), random_blocks(Q.Q6_K, 1000, 256, seed=12)):
         head = compiled.make_linear(matrix, "w4a8")
-        assert (head.planes.group if isinstance(head, compiled.W4A8Linear) else compiled.ROWS) == group
         x = activations(3, 256, seed=11)
-        for stop, shared in ((25 * group, True), (25 * group + 3, False)):
+        for stop, shared in ((25 * compiled.ROWS, True), (25 * compiled.ROWS + 3, False)):
             part = CpuOps().shortlist_part(head, matrix, slice(0, stop), "w4a8")
             assert np.shares_memory(part.planes.codes, head.planes.codes) is shared
             np.testing.assert_array_equal(part(x), head(x)[:, :stop])
