@@ -6,17 +6,17 @@ route numerics (DESIGN.md contracts) in another summation order, stated per kern
 from the layouts and from sharing each weight read between the token rows:
 
 - Units laid out position-major. A quantized matrix is repacked once at load into `UnitPlanes`:
-  for each unit of `unit` inputs that shares one weight scale (16 for Q6_K on w4a8, 128 for
-  trellis and for W4 in w4a16's portable loops), position j of every unit is stored side by side,
-  and R weight rows side by side too (codes [N / R, unit, U * R]). The dot products of all units of
-  R rows then grow together, one vector op per position, with no horizontal sum per unit; each
-  unit's scale is applied once at the end.
-- W4 and the GGUF blocks of 32-input units (all but Q6_K) on w4a8 are laid out the other way round
-  (`RowPlanes`): a unit's 16 weight rows side by side in one vector, each row's four bytes of a quad
-  in its int32 lane, so one activation quad broadcast to all lanes serves 16 rows. The activations
-  stay as quantized, one byte a level (the position-major layout repeats them for each of the R
-  rows), a tile of 8 token rows shares each weight load, and a call of any length reads each
-  weight once: 2.6-4.1x the position-major kernels' speed from 4 token rows up (0.8B shapes, two cores).
+  for each unit of `unit` inputs that shares one weight scale (128 for trellis and for W4 in
+  w4a16's portable loops), position j of every unit is stored side by side, and R weight rows
+  side by side too (codes [N / R, unit, U * R]). The dot products of all units of R rows then grow
+  together, one vector op per position, with no horizontal sum per unit; each unit's scale is
+  applied once at the end.
+- W4 and every GGUF block type on w4a8 are laid out the other way round (`RowPlanes`): a unit's 16
+  weight rows side by side in one vector, each row's four bytes of a quad in its int32 lane, so one
+  activation quad broadcast to all lanes serves 16 rows. The activations stay as quantized, one
+  byte a level (the position-major layout repeats them for each of the R rows), a tile of 8 token
+  rows shares each weight load, and a call of any length reads each weight once: 2.6-4.1x the
+  position-major kernels' speed from 4 token rows up (0.8B shapes, two cores).
 - The token rows share the weight read. A group of weight rows is read from memory once and
   stays in L1 while each of the T <= 16 token rows runs the same code against it; integer dots are
   exact and every fp32 sum runs in a fixed order per token row, so a token row gets the same bits
@@ -1485,9 +1485,9 @@ class RowPlanes:
     codes  uint8 [G, U * 256] `nibbles` (W4, Q4_0: level + 8, two a byte; Q4_K: its 0..15 levels as
            they are, its minimum less 8 scales): group g's byte v * 256 + p * 64 + r * 4 + s holds
            row 16 g + r's positions 4p + s (low nibble) and 16 + 4p + s (high) of unit v, Q4_0's own
-           block bytes 2 + 4p + s; or [G, U * 512] (Q8_0, Q5_K, IQ4_XS: one level a byte, + QUAD_BIAS
-           as this CPU's rows_tile reads it): byte v * 512 + p * 64 + r * 4 + s is position 4p + s,
-           Q8_0's block byte 2 + 4p + s
+           block bytes 2 + 4p + s; or [G, U * 16 * unit] (Q8_0, Q5_K, Q6_K, IQ4_XS: one level a byte,
+           + QUAD_BIAS as this CPU's rows_tile reads it): byte v * 16 unit + p * 64 + r * 4 + s is
+           position 4p + s, Q8_0's block byte 2 + 4p + s
     scale  [G, U * 16]: unit v's scale of row 16 g + r at v * 16 + r; Q4_0's and Q8_0's f16 bits as
            their blocks hold them, or fp32 (W4's bf16 group scale for each of its units, a K-quant's
            or IQ4_XS's sub-block scale)
