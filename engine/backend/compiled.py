@@ -17,11 +17,11 @@ from the layouts and from sharing each weight read between the token rows:
   byte a level (the position-major layout repeats them for each of the R rows), a tile of 8 token
   rows shares each weight load, and a call of any length reads each weight once: 2.6-4.1x the
   position-major kernels' speed from 4 token rows up (0.8B shapes, two cores).
-- The token rows share the weight read. A group of weight rows is read from memory once and
-  stays in L1 while each of the T <= 16 token rows runs the same code against it; integer dots are
-  exact and every fp32 sum runs in a fixed order per token row, so a token row gets the same bits
-  whether it is alone (a decode step) or one of k + 1 verify rows. That keeps exact acceptance
-  exact. Longer calls (prefill) run in tiles of 16 rows.
+- The token rows share the weight read. In the UnitPlanes kernels a group of weight rows is read
+  from memory once and stays in L1 while each of the T <= 16 token rows runs the same code against
+  it (longer calls run in tiles of 16 rows); integer dots are exact and every fp32 sum runs in a
+  fixed order per token row, so a token row gets the same bits whether it is alone (a decode step)
+  or one of k + 1 verify rows. That keeps exact acceptance exact.
 
 Threads: the kernels release the GIL and take a range of weight rows, so engine/backend/threads.py
 splits a product's rows between the cores; a weight row's result does not depend on the split.
@@ -539,11 +539,11 @@ if _numba:
         def rows_tile(typingctx, codes, scales, q, x_sum, x_scale, acc, g, t0):
             """In compiled code, on the CPU of int8_dot_kernels()'s "vnni" or "avx2" family only:
             acc[i, r] = the sum over units v, in order from 0, of fp32(dot) * (scales[v * 16 + r] *
-            x_scale[t0 + i, v]), dot = the integer dot of weight row 16 g + r's unit v (32 inputs) with
-            token row t0 + i's, minus the codes' stored offset times x_sum[t0 + i, v] (nibbles: 8;
-            bytes: QUAD_BIAS); i < tokens, r < 16. codes uint8 [G, U * 256 (nibbles) or U * 512]
-            (RowPlanes), scales fp32 [U * 16] (group g's), q int8 [T, K], x_sum int32 and x_scale fp32
-            [T, U], acc fp32 [>= tokens, 16]: C arrays.
+            x_scale[t0 + i, v]), dot = the integer dot of weight row 16 g + r's unit v (32 inputs, or
+            Q6_K's 16) with token row t0 + i's, minus the codes' stored offset times x_sum[t0 + i, v]
+            (nibbles: 8; bytes: QUAD_BIAS); i < tokens, r < 16. codes uint8 [G, U * 256 (nibbles, or
+            bytes of 16-input units) or U * 512] (RowPlanes), scales fp32 [U * 16] (group g's), q int8
+            [T, K], x_sum int32 and x_scale fp32 [T, U], acc fp32 [>= tokens, 16]: C arrays.
 
             A unit's 16 rows lie in one 64-byte vector per quad p of positions, a row's four bytes in
             one int32 lane (nibbles: low ones positions 4p..4p+3, high ones 16 + 4p..; bytes: 4p..4p+3
@@ -788,10 +788,10 @@ def _rows_minimum(minimum, g, x_sum, x_scale, out, T, rows, total):
 
 @_jit()
 def _w4a8_rows(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
-    """W4 and GGUF blocks of 32 on w4a8 through rows_tile (int8_dot_kernels' "vnni" or "avx2"): groups
-    [lo, hi) of RowPlanes' codes [G, U * 256 (nibbles) or U * 512], scale [G, U * 16] (fp32, or the
-    blocks' f16 bits) and minimum (_rows_minimum) against q int8 [T, K] (the activation levels as they are), x_sum int32 [T, U], x_scale
-    fp32 [T, U], into out [T, N]. Every token row of the call runs on a group's 16 rows (8 KB of Q4_0
+    """W4 and GGUF blocks on w4a8 through rows_tile (int8_dot_kernels' "vnni" or "avx2"): groups [lo, hi)
+    of RowPlanes' codes, scale [G, U * 16] (fp32, or the blocks' f16 bits) and minimum (_rows_minimum)
+    against q int8 [T, K] (the activation levels as they are), x_sum int32 [T, U], x_scale fp32
+    [T, U], into out [T, N]. Every token row of the call runs on a group's 16 rows (8 KB of Q4_0
     codes at K = 1024, in L1) before the next group, so a prefill reads each weight once; per token
     row _w4a8_rows_loops' bits."""
     T, N = out.shape
@@ -1362,7 +1362,7 @@ class UnitPlanes:
     codes    `nibbles` (W4 for the w4a16 loops; levels -8..7 + 8, two a byte): uint8 [G, unit/4, L, 2],
              byte (p, lane, s) holding positions 2p + s and unit/2 + 2p + s. Else one level a byte:
              int8 [G, unit, L]; or, `quads`, uint8 [G, unit/4, L, 4], level + QUAD_BIAS of position
-             4p + s (as this CPU's quad_columns reads it). (W4 and the other GGUF blocks on w4a8: RowPlanes.)
+             4p + s (as this CPU's quad_columns reads it). (W4 and GGUF blocks on w4a8: RowPlanes.)
     scale    [G, L]: the weight scale of each unit, fp32 (bf16 or a product of f16s, exact)
     Rows past N (the last group's padding) have level 0 and scale 0.
     """
@@ -1544,20 +1544,19 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
             start, stop = first * ROWS, min(N, last * ROWS)
             if as_stored:
                 _blocks_to_rows(weight.raw, codes, scale, first, last, 0 if nibbles else flip, 0x88 if nibbles else flip)
-                release_file_pages(weight.raw[start:stop])
-                continue
-            by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)  # [r, positions, U], [r, U]
-            pad = (last - first) * ROWS - (stop - start)
-            quads = by_unit.transpose(0, 2, 1).reshape(stop - start, U, -1, 4)  # [r, v, p, s]
-            if not nibbles:  # int8 levels as this family's kernel reads them
-                quads = (quads.astype(np.int16) ^ flip).astype(np.uint8) if flip else quads.astype(np.int8).view(np.uint8)
-            codes[first:last] = by_group(quads, pad, 0x88 if nibbles else flip)
-            scale[first:last] = by_group(unit_scale.astype(np.float32), pad, 0)
-            if has_minimum:
-                unit_minimum = unit_minimum.astype(np.float32)
-                if _unsigned_nibbles(weight):  # the kernels take 8 off every nibble: the minimum gives 8 scales back
-                    unit_minimum = unit_minimum - np.float32(8) * unit_scale.astype(np.float32)
-                minimum[first:last] = by_group(unit_minimum, pad, 0)
+            else:
+                by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)  # [r, positions, U], [r, U]
+                pad = (last - first) * ROWS - (stop - start)
+                quads = by_unit.transpose(0, 2, 1).reshape(stop - start, U, -1, 4)  # [r, v, p, s]
+                if not nibbles:  # int8 levels as this family's kernel reads them
+                    quads = (quads.astype(np.int16) ^ flip).astype(np.uint8) if flip else quads.astype(np.int8).view(np.uint8)
+                codes[first:last] = by_group(quads, pad, 0x88 if nibbles else flip)
+                scale[first:last] = by_group(unit_scale.astype(np.float32), pad, 0)
+                if has_minimum:
+                    unit_minimum = unit_minimum.astype(np.float32)
+                    if _unsigned_nibbles(weight):  # the kernels take 8 off every nibble: the minimum gives 8 scales back
+                        unit_minimum = unit_minimum - np.float32(8) * unit_scale.astype(np.float32)
+                    minimum[first:last] = by_group(unit_minimum, pad, 0)
             if isinstance(weight, BlockMatrix):
                 release_file_pages(weight.raw[start:stop])
 

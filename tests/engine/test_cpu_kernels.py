@@ -150,8 +150,9 @@ def test_trellis_within_the_sum_bound_of_the_level_function(k):
 
 
 def test_row_plane_activations_are_the_routes_int8_levels_in_place():
-    """W4A8RowsLinear keeps the levels where their inputs are, one byte each, with each unit's
-    level sum and scale: quantize_int8_blocks' numbers, bit for bit, the same edge cases as above."""
+    """W4A8Linear keeps the levels where their inputs are, one byte each, with each unit's level sum
+    and scale: quantize_int8_blocks' numbers, bit for bit, for halves that round to even, an all-zero
+    block (scale 0, levels 0) and a block whose absmax is negative."""
     linear = compiled.W4A8Linear(random_blocks(Q.Q4_0, 16, 256, seed=1))
     x = activations(3, 256, seed=2)
     x[0, :32] = 0.0
