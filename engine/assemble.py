@@ -113,9 +113,7 @@ def _layer(c: ModelConfig, get: Linears, p: str, kind: str, moe: bool, index: in
 
 def _attention(c: ModelConfig, get: Linears, p: str) -> Attention:
     return Attention(
-        q_proj=get.linear(p + "q_proj.weight"),
-        k_proj=get.linear(p + "k_proj.weight"),
-        v_proj=get.linear(p + "v_proj.weight"),
+        qkv_proj=get.linear(*(f"{p}{name}_proj.weight" for name in ("q", "k", "v"))),
         o_proj=get.linear(p + "o_proj.weight"),
         q_norm=get.norm(p + "q_norm.weight"),
         k_norm=get.norm(p + "k_norm.weight"),

@@ -163,9 +163,7 @@ class IndexedAttention:
     def __call__(self, x, cache, pos, last_only: bool = False):
         a = self.attention
         first = x.shape[0] - 1 if last_only else 0  # rows [first, T) are the ones whose output is returned
-        gated = a.ops.indexed_attention(self, a.q_proj(x[first:]), a.k_proj(x), a.v_proj(x), self.indexer.qk_proj(x),
-                                        cache, pos, first)
-        return a.o_proj(gated)
+        return a.o_proj(a.ops.indexed_attention(self, a.qkv_proj(x), self.indexer.qk_proj(x), cache, pos, first))
 
 
 @dataclass
@@ -297,13 +295,14 @@ class FlashCpuOps(CpuOps):
 
     # ---- QSA
 
-    def indexed_attention(self, layer: IndexedAttention, q_and_gate: np.ndarray, k: np.ndarray, v: np.ndarray,
-                          index_qk: np.ndarray, cache: IndexedKVCache, start: int, first: int) -> np.ndarray:
+    def indexed_attention(self, layer: IndexedAttention, qkv: np.ndarray, index_qk: np.ndarray, cache: IndexedKVCache,
+                          start: int, first: int) -> np.ndarray:
         """Gated attention's core over the tokens the indexer selects, rows [first, T) of a call at position
-        `start`: q_and_gate of those rows, k, v and index_qk [T, (heads + 1) * d] of every row (all go to the
-        cache). Returns sigmoid(gate) * attention [T - first, heads * hd]."""
+        `start`: qkv [T, q | k | v] (Attention.split) and index_qk [T, (heads + 1) * d] of every row (all go to
+        the cache). Returns sigmoid(gate) * attention [T - first, heads * hd]."""
         a, ix, c = layer.attention, layer.indexer, layer.attention.config
-        T, heads, kv_heads, hd, eps = k.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        T, heads, kv_heads, hd, eps = qkv.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        q_and_gate, k, v = a.split(qkv, first)
         q_and_gate = q_and_gate.reshape(T - first, heads, 2 * hd)
         q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(T - first, heads * hd)
         q = self.rms_norm(q, a.q_norm, eps)

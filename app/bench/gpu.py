@@ -200,8 +200,7 @@ def random_device_model(c, route: str, seed: int = 0):
         p = f"model.layers.{i}."
         if kind == "full_attention":
             a = p + "self_attn."
-            mixer = m.Attention(*(linear(w[a + n]) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                ones(c.head_dim), ones(c.head_dim), c, ops)
+            mixer = m.Attention(linear(w[a + "qkv"]), linear(w[a + "o_proj"]), ones(c.head_dim), ones(c.head_dim), c, ops)
         else:
             d, hv = p + "linear_attn.", c.linear_num_value_heads
             small = lambda: linear(rng.standard_normal((hv, c.hidden_size)).astype(np.float32) * 0.01)  # noqa: E731
@@ -245,12 +244,15 @@ def _make_device_weights(c, seed: int) -> dict:
            "lm_head": w4(c.vocab_size, c.hidden_size)}
     shapes = tensor_shapes(c)
     for name, shape in shapes.items():
-        if name.endswith(("gate_proj.weight", "up_proj.weight")) or len(shape) != 2 or "in_proj_a" in name \
-                or "in_proj_b" in name or name.startswith(("model.embed", "lm_head")):
+        if name.endswith(("gate_proj.weight", "up_proj.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight")) \
+                or len(shape) != 2 or "in_proj_a" in name or "in_proj_b" in name or name.startswith(("model.embed", "lm_head")):
             continue
         out[name.removesuffix(".weight")] = w4(*shape)
-    for i in range(c.num_hidden_layers):  # gate and up stacked by rows, as the loader stacks them
+    for i, kind in enumerate(c.layer_types):  # gate | up and q | k | v stacked by rows, as the assembler stacks them
         out[f"model.layers.{i}.mlp.gate_up"] = w4(2 * c.intermediate_size, c.hidden_size)
+        if kind == "full_attention":
+            rows = sum(shapes[f"model.layers.{i}.self_attn.{n}_proj.weight"][0] for n in "qkv")
+            out[f"model.layers.{i}.self_attn.qkv"] = w4(rows, c.hidden_size)
     out = {k.replace(".mlp.down_proj", ".mlp.down"): v for k, v in out.items()}
     return out
 

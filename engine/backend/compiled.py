@@ -1172,26 +1172,39 @@ def add_rms_norm_rows(x, delta, weight, eps, total, out):
     rms_norm_rows(total, weight, eps, out)
 
 
-@_jit(fastmath=True)
-def norm_rope_rows(x, heads, weight, eps, start, inv_freq, out):
-    """Gated attention's query or key heads for the rows of a decode or verify pass, normed and
-    rotated in one pass (numpy's two norms, rope_tables and two apply_rope took ~25 us a layer):
-    x [T * heads, >= hd], head m of token m // heads in row m (its first hd values: a query beside
-    its gate, or a key); out [T * heads, hd] = x[m, :hd] * rsqrt(mean(x^2) + eps) * weight (the
-    zero-centred norm's 1 + w), then NeoX rotate-half on pairs (i, i + half), i < half =
-    len(inv_freq), by the fp32 angle (start + t) * inv_freq[i] as cpu_ops.rope_tables forms it, its
-    cosine and sine rounded from float64. A row's bits depend on its own values and position only."""
-    M, hd = out.shape
+@_jit(fastmath=True, inline="always")  # inlined in numba's IR: q and k heads are views of other layouts
+def _norm_rope_head(x, weight, eps, position, inv_freq, out):
+    """One head x [hd] normed into out [hd]: x * rsqrt(mean(x^2) + eps) * weight (the zero-centred
+    norm's 1 + w), then NeoX rotate-half on pairs (i, i + half), i < half = len(inv_freq), by the
+    fp32 angle position * inv_freq[i] as cpu_ops.rope_tables forms it, its cosine and sine rounded
+    from float64."""
     half = inv_freq.shape[0]
-    for m in range(M):
-        _rms_norm_row(x[m, :hd], weight, eps, out[m])
-        position = np.float32(start + m // heads)
-        for i in range(half):
-            angle = np.float64(position * inv_freq[i])
-            cos, sin = np.float32(np.cos(angle)), np.float32(np.sin(angle))
-            first, second = out[m, i], out[m, i + half]
-            out[m, i] = first * cos - second * sin
-            out[m, i + half] = second * cos + first * sin
+    _rms_norm_row(x, weight, eps, out)
+    for i in range(half):
+        angle = np.float64(np.float32(position) * inv_freq[i])
+        cos, sin = np.float32(np.cos(angle)), np.float32(np.sin(angle))
+        first, second = out[i], out[i + half]
+        out[i] = first * cos - second * sin
+        out[i + half] = second * cos + first * sin
+
+
+@_jit(fastmath=True)
+def qk_norm_rope_rows(qkv, first, q_norm, k_norm, eps, start, inv_freq, q, k):
+    """Gated attention's queries and keys for the rows of a decode or verify pass, normed and rotated
+    in one pass (numpy's two norms, rope_tables and two apply_rope took ~25 us a layer), from the
+    stacked projection qkv [T, heads * 2 hd | kv * hd | kv * hd] (row t at position start + t; per
+    query head [query | gate]): q [T - first, heads, hd] for rows first.., k [kv, T, hd] for every row,
+    laid out as the cache takes it. A row's bits depend on its own values and position only."""
+    T, kv_heads, hd = k.shape[1], k.shape[0], k.shape[2]
+    heads = q.shape[1]
+    for t in range(T):
+        row = qkv[t]
+        if t >= first:
+            for h in range(heads):
+                _norm_rope_head(row[h * 2 * hd : h * 2 * hd + hd], q_norm, eps, start + t, inv_freq, q[t - first, h])
+        keys = row[heads * 2 * hd :]
+        for j in range(kv_heads):
+            _norm_rope_head(keys[j * hd : (j + 1) * hd], k_norm, eps, start + t, inv_freq, k[j, t])
 
 
 @_jit(fastmath=True)
@@ -1208,12 +1221,13 @@ def swiglu_rows(gate_up, out, lo, hi):
 
 
 @_jit(fastmath=True)
-def attend_rows(q, keys, values, past, out):
-    """Causal GQA for a decode or verify pass, as cpu_ops.attend: q [T, heads, hd] at positions
-    past, past + 1, ...; keys, values [kv, >= past + T, hd]; out [T, heads * hd]. Row t reads keys
-    0..past + t (query head h reads KV head h // (heads / kv)): scores q.k / sqrt(hd), softmax
-    (max subtracted), the weighted sum of values, each over the row's own keys in order, so a row
-    gets the same bits whatever rows run with it."""
+def attend_rows(q, keys, values, past, gates, out):
+    """Causal GQA for a decode or verify pass, as cpu_ops.attend, gated: q [T, heads, hd] at
+    positions past, past + 1, ...; keys, values [kv, >= past + T, hd]; gates [T, >= heads * 2 hd],
+    head h's gate at columns h * 2 hd + hd .. (the stacked projection's rows: [query | gate] per head);
+    out [T, heads * hd]. Row t reads keys 0..past + t (query head h reads KV head h // (heads / kv)):
+    scores q.k / sqrt(hd), softmax (max subtracted), the weighted sum of values, each over the row's
+    own keys in order, then times sigmoid(gate), so a row gets the same bits whatever rows run with it."""
     T, heads, hd = q.shape
     group = heads // keys.shape[0]
     scale = np.float32(1) / np.sqrt(np.float32(hd))
@@ -1240,6 +1254,9 @@ def attend_rows(q, keys, values, past, out):
                 weight, value = scores[j] / mass, values_h[j]
                 for d in range(hd):
                     o[d] += weight * value[d]
+            gate = gates[t, h * 2 * hd + hd : (h + 1) * 2 * hd]
+            for d in range(hd):
+                o[d] = o[d] / (np.float32(1) + exp_f32(-gate[d]))
 
 
 @_jit(fastmath=True)
@@ -1920,11 +1937,12 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
                                                        np.zeros((1, 2, 4), np.float32)), 2, split=False))
     steps.append(lambda: rms_norm_rows(rows, vector, np.float32(1e-6), rows.copy()))
     steps.append(lambda: add_rms_norm_rows(rows, rows, vector, np.float32(1e-6), rows.copy(), rows.copy()))
-    steps.append(lambda: norm_rope_rows(rows, 1, vector, np.float32(1e-6), 0, np.ones(1, np.float32), rows.copy()))
+    steps.append(lambda: qk_norm_rope_rows(np.zeros((1, 16), np.float32), 0, vector, vector, np.float32(1e-6), 0,
+                                           np.ones(1, np.float32), np.zeros((1, 2, 2), np.float32), np.zeros((2, 1, 2), np.float32)))
     steps.append(lambda: split_kernel(swiglu_rows, (np.zeros((1, 4), np.float32), rows.copy()), 1, split=False))
     steps.append(lambda: conv_rows(np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32), rows.copy()))
     steps.append(lambda: attend_rows(np.zeros((1, 2, 4), np.float32), np.zeros((1, 4, 4), np.float32),
-                                     np.zeros((1, 4, 4), np.float32), 0, np.zeros((1, 8), np.float32)))
+                                     np.zeros((1, 4, 4), np.float32), 0, np.zeros((1, 24), np.float32), np.zeros((1, 8), np.float32)))
     global _SEEN_SPLITS
     _SEEN_SPLITS = seen = []
     try:

@@ -404,28 +404,27 @@ class CpuOps:
         in_parallel(features, inner, split=x.shape[0] > MAX_ROWS)
         return hidden.T
 
-    def attention(self, layer, q_and_gate: np.ndarray, k: np.ndarray, v: np.ndarray, cache, start: int,
-                  first: int) -> np.ndarray:
-        """Gated attention's core for rows [first, T) of a call at position `start`: q_and_gate of
-        those rows [T - first, heads * 2 * hd] (per head [query | gate]); k, v of every row [T, kv * hd],
-        which all go to the cache. Returns sigmoid(gate) * attention [T - first, heads * hd]."""
+    def attention(self, layer, qkv: np.ndarray, cache, start: int, first: int) -> np.ndarray:
+        """Gated attention's core for rows [first, T) of a call at position `start`: qkv [T, q | k | v]
+        (the stacked projection of every row; Attention.split names its columns), whose keys and
+        values all go to the cache. Returns sigmoid(gate) * attention [T - first, heads * hd]."""
         c = layer.config
-        T, heads, kv_heads, hd = k.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        T, heads, kv_heads, hd = qkv.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        if T <= MAX_ROWS and self.compiled_steps:
+            return self._attention_rows(layer, qkv, cache, start, first)
+        q_and_gate, k, v = layer.split(qkv, first)
         q_and_gate = q_and_gate.reshape(T - first, heads, 2 * hd)
         q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(T - first, heads * hd)
-        if T <= MAX_ROWS and self.compiled_steps:
-            q, k = self._norm_rope(layer, q_and_gate, k, start, first)
-        else:
-            q = self.rms_norm(q, layer.q_norm, c.rms_norm_eps)
-            k = self.rms_norm(k.reshape(T, kv_heads, hd), layer.k_norm, c.rms_norm_eps)
-            cos, sin = rope_tables(np.arange(start, start + T), c.rotary_dim, c.rope_theta)
-            q, k = apply_rope(q, cos[first:], sin[first:]), apply_rope(k, cos, sin)
-        v = v.reshape(T, kv_heads, hd)
-        k, v = k.transpose(1, 0, 2), v.transpose(1, 0, 2)  # [kv, T, hd]
+        q = self.rms_norm(q, layer.q_norm, c.rms_norm_eps)
+        k = self.rms_norm(k.reshape(T, kv_heads, hd), layer.k_norm, c.rms_norm_eps)
+        cos, sin = rope_tables(np.arange(start, start + T), c.rotary_dim, c.rope_theta)
+        q, k = apply_rope(q, cos[first:], sin[first:]), apply_rope(k, cos, sin)
+        k, v = k.transpose(1, 0, 2), v.reshape(T, kv_heads, hd).transpose(1, 0, 2)  # [kv, T, hd]
         past = cache.length
         if T <= MAX_ROWS:  # each row exactly as its own decode step would compute it
             cache.append(k, v)
-            out = self._attend_rows(q, cache, past, first, T)
+            out = np.concatenate([attend(q[i : i + 1], *cache.rows(past + t + 1), past + t)
+                                  for i, t in enumerate(range(first, T))])
         else:  # prefill: cached rows as the cache holds them, the new rows exact
             old_keys, old_values = cache.rows(past)
             cache.append(k, v)
@@ -441,31 +440,29 @@ class CpuOps:
         return out * sigmoid(gate)
 
     @staticmethod
-    def _norm_rope(layer, q_and_gate: np.ndarray, k: np.ndarray, start: int, first: int) -> tuple[np.ndarray, np.ndarray]:
-        """q [T - first, heads, hd] and k [T, kv, hd] normed and rotated in one compiled pass each
-        (compiled.norm_rope_rows) from q_and_gate [T - first, heads, 2 hd] and k [T, kv * hd]."""
+    def _attention_rows(layer, qkv: np.ndarray, cache, start: int, first: int) -> np.ndarray:
+        """attention for a decode or verify pass in two compiled passes: queries and keys normed and
+        rotated (compiled.qk_norm_rope_rows), then each row attends exactly as its own decode step
+        would and takes its gate (compiled.attend_rows). A layer took 13 calls and ~20 numpy ops
+        with three projections; now 5 calls."""
         c = layer.config
-        hd, eps, inv_freq = c.head_dim, np.float32(c.rms_norm_eps), rope_frequencies(c.rotary_dim, c.rope_theta)
-        q = np.empty((q_and_gate.shape[0], c.num_attention_heads, hd), np.float32)
-        compiled.norm_rope_rows(np.ascontiguousarray(q_and_gate, np.float32).reshape(-1, 2 * hd), c.num_attention_heads,
-                                layer.q_norm, eps, start + first, inv_freq, q.reshape(-1, hd))
-        keys = np.empty((k.shape[0], c.num_key_value_heads, hd), np.float32)
-        compiled.norm_rope_rows(np.ascontiguousarray(k, np.float32).reshape(-1, hd), c.num_key_value_heads,
-                                layer.k_norm, eps, start, inv_freq, keys.reshape(-1, hd))
-        return q, keys
-
-    def _attend_rows(self, q: np.ndarray, cache, past: int, first: int, T: int) -> np.ndarray:
-        """Rows [first, T) of a decode or verify pass against the cache (which holds them already)."""
-        if not self.compiled_steps:
-            return np.concatenate([attend(q[i : i + 1], *cache.rows(past + t + 1), past + t) for i, t in enumerate(range(first, T))])
-        out = np.empty((T - first, q.shape[1] * q.shape[2]), np.float32)
-        q = np.ascontiguousarray(q, dtype=np.float32)
+        T, hd = qkv.shape[0], c.head_dim
+        qkv = np.ascontiguousarray(qkv, np.float32)
+        q = np.empty((T - first, c.num_attention_heads, hd), np.float32)
+        k = np.empty((c.num_key_value_heads, T, hd), np.float32)
+        compiled.qk_norm_rope_rows(qkv, first, layer.q_norm, layer.k_norm, np.float32(c.rms_norm_eps), start,
+                                   rope_frequencies(c.rotary_dim, c.rope_theta), q, k)
+        v = layer.split(qkv)[2].reshape(T, k.shape[0], hd).transpose(1, 0, 2)  # [kv, T, hd]
+        past = cache.length
+        cache.append(k, v)
+        out = np.empty((T - first, q.shape[1] * hd), np.float32)
+        gates = qkv[first:]
         if type(cache).rows is KVCache.rows:  # rows are prefixes of its buffers: each row reads up to its own position
-            compiled.attend_rows(q, cache.keys, cache.values, past + first, out)
+            compiled.attend_rows(q, cache.keys, cache.values, past + first, gates, out)
         else:  # q4: a row reads what its decode step would (the window of exact recent rows moves with its position)
             for i, t in enumerate(range(first, T)):
                 keys, values = (np.ascontiguousarray(rows, dtype=np.float32) for rows in cache.rows(past + t + 1))
-                compiled.attend_rows(q[i : i + 1], keys, values, past + t, out[i : i + 1])
+                compiled.attend_rows(q[i : i + 1], keys, values, past + t, gates[i : i + 1], out[i : i + 1])
         return out
 
     def deltanet(self, layer, projected: np.ndarray, state: DeltaNetState, start: int) -> np.ndarray:

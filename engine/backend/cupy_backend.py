@@ -276,13 +276,14 @@ def _rows(x) -> tuple[cp.ndarray, int]:
 def qk_norm_rope(x, weight, inv_freq, start: cp.ndarray, heads: int, head_dim: int, head_stride: int,
                  rotary_dim: int, eps: float) -> cp.ndarray:
     """Attention q or k: per head zero-centred RMSNorm then partial NeoX RoPE at positions
-    start[0] + t. x [T, C] holds head h at columns h * head_stride .. + head_dim."""
-    x = _device_f32(x)
+    start[0] + t. x [T, C] holds head h at columns h * head_stride .. + head_dim (rows may be wider:
+    the stacked projection's columns, read in place)."""
+    x, row_stride = _rows(x)
     T = x.shape[0]
     y = cp.empty((T, heads, head_dim), cp.float32)
     kernel("norms", "qk_norm_rope")((heads, T), (head_dim,),
                                     (x, _device_f32(weight), _device_f32(inv_freq), start, y, _i32(head_dim),
-                                     _i64(x.shape[1]), _i32(head_stride), _i32(rotary_dim), _f32(eps)))
+                                     _i64(row_stride), _i32(head_stride), _i32(rotary_dim), _f32(eps)))
     return y
 
 
@@ -296,10 +297,14 @@ def silu_mul(gate_up) -> cp.ndarray:
 
 
 def attention_gate(attn, q_and_gate, head_dim: int) -> cp.ndarray:
-    """attn [T, heads * D] times sigmoid of the gate half of q_and_gate [T, heads, 2D]."""
-    attn, q_and_gate = _device_f32(attn), _device_f32(q_and_gate)
+    """attn [T, heads * D] times sigmoid of the gate half of q_and_gate [T, heads * 2D] (per head
+    [query | gate]; rows may be wider: the stacked projection's, read in place)."""
+    attn = _device_f32(attn)
+    q_and_gate, row_stride = _rows(q_and_gate.reshape(q_and_gate.shape[0], -1))
     out = cp.empty_like(attn)
-    kernel("norms", "attention_gate")((_blocks(out.size, 256),), (256,), (attn, q_and_gate, out, _i32(head_dim), _i64(out.size)))
+    kernel("norms", "attention_gate")((_blocks(out.size, 256),), (256,),
+                                      (attn, q_and_gate, out, _i32(head_dim), _i32(attn.shape[1] // head_dim),
+                                       _i64(row_stride), _i64(out.size)))
     return out
 
 
@@ -372,11 +377,12 @@ class KVCache:
         self.signs = cp.ones(head_dim, cp.float32)  # the combine's rotation signs, unread here: no slot is rotated
 
     def append(self, k, v, start: cp.ndarray) -> None:
-        """k, v [T, kv, hd] at positions start[0] + t (start[0] == self.length)."""
-        k, v = _device_f32(k), _device_f32(v)
+        """k [T, kv, hd] and v [T, kv * hd] (rows may be wider: read in place) at positions start[0] + t
+        (start[0] == self.length)."""
+        k, (v, v_stride) = _device_f32(k), _rows(v.reshape(v.shape[0], -1))
         T, kv, hd = k.shape
         kernel("attention", "kv_append_bf16")((T, kv), (hd,), (k, v, self.keys, self.values, start,
-                                                               _i32(self.keys.shape[1]), _i32(hd)))
+                                                               _i32(self.keys.shape[1]), _i32(hd), _i64(v_stride)))
         self.length += T
 
     def truncate(self, length: int) -> None:
@@ -420,13 +426,14 @@ class Q4KVCache:
         self.length = 0
 
     def append(self, k, v, start: cp.ndarray) -> None:
-        k, v = _device_f32(k), _device_f32(v)
+        """KVCache.append's rows, coded."""
+        k, (v, v_stride) = _device_f32(k), _rows(v.reshape(v.shape[0], -1))
         T, kv, hd = k.shape
         kernel("attention", "kv_append_q4")((T, kv, 2), (hd,),
                                             (k, v, self.signs, self.key_codes, self.key_scales, self.value_codes,
                                              self.value_scales, self.sink_keys, self.sink_values, self.ring_keys,
                                              self.ring_values, _i32(self.ring_rows), start,
-                                             _i32(self.key_codes.shape[1]), _i32(hd)))
+                                             _i32(self.key_codes.shape[1]), _i32(hd), _i64(v_stride)))
         self.length += T
 
     def truncate(self, length: int) -> None:

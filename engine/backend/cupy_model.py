@@ -327,16 +327,16 @@ class GpuOps:
     def swiglu(self, gate_up, x: cp.ndarray) -> cp.ndarray:
         return gb.silu_mul(gate_up(x))  # [T, 2I] (gate | up) -> [T, I]
 
-    def attention(self, layer, q_and_gate: cp.ndarray, k: cp.ndarray, v: cp.ndarray, cache, rows: Rows,
-                  first: int) -> cp.ndarray:
+    def attention(self, layer, qkv: cp.ndarray, cache, rows: Rows, first: int) -> cp.ndarray:
         """Gated attention's core (engine.backend.cpu_ops.CpuOps.attention; `first` is 0, see forward):
-        per slice of rows, its keys and values into the cache, then its queries attend."""
+        per slice of rows, its keys and values into the cache, then its queries attend. The kernels
+        read the stacked projection's columns in place."""
         c = layer.config
-        T, heads, kv, hd, eps = k.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        heads, kv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         assert first == 0, "GpuOps.forward runs every row"
+        q_and_gate, k, v = layer.split(qkv)
         q = gb.qk_norm_rope(q_and_gate, layer.q_norm, self.inv_freq, rows.rope_start, heads, hd, 2 * hd, c.rotary_dim, eps)
         k = gb.qk_norm_rope(k, layer.k_norm, self.inv_freq, rows.rope_start, kv, hd, hd, c.rotary_dim, eps)
-        v = v.reshape(T, kv, hd)
         parts = []
         for piece, start, past in rows.slices():
             cache.append(k[piece], v[piece], start)
@@ -375,19 +375,19 @@ class GpuOps:
     ple_gate = staticmethod(gb.ple_gate)
     ple_conv = staticmethod(gb.ple_conv)
 
-    def indexed_attention(self, layer, q_and_gate: cp.ndarray, k: cp.ndarray, v: cp.ndarray, index_qk: cp.ndarray,
-                          cache: gb.IndexedKVCache, rows: Rows, first: int) -> cp.ndarray:
+    def indexed_attention(self, layer, qkv: cp.ndarray, index_qk: cp.ndarray, cache: gb.IndexedKVCache, rows: Rows,
+                          first: int) -> cp.ndarray:
         """QSA's gated attention core (flash_next.FlashCpuOps.indexed_attention): per slice of rows, its keys,
         values and index keys into the cache (pooling the blocks they complete), then each query row's
         top blocks and tail are listed and attended."""
         a, ix, c = layer.attention, layer.indexer, layer.attention.config
-        T, heads, kv, hd, eps = k.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        heads, kv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         d = ix.q_norm.shape[0]
         assert first == 0, "GpuOps.forward runs every row"
+        q_and_gate, k, v = a.split(qkv)
         q = gb.qk_norm_rope(q_and_gate, a.q_norm, self.inv_freq, rows.rope_start, heads, hd, 2 * hd, c.rotary_dim, eps)
         k = gb.qk_norm_rope(k, a.k_norm, self.inv_freq, rows.rope_start, kv, hd, hd, c.rotary_dim, eps)
         index_q = gb.qk_norm_rope(index_qk, ix.q_norm, self.inv_freq, rows.rope_start, ix.heads, d, d, c.rotary_dim, eps)
-        v = v.reshape(T, kv, hd)
 
         def pool(first_block: int, n: int) -> None:
             gb.pool_index_blocks(cache, first_block, n, ix.k_norm, self.inv_freq, c.rotary_dim, rows.rope_offset, eps)

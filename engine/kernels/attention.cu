@@ -399,17 +399,17 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, 
 }
 
 // ------------------------------------------------------------------------- appending ---
-// New rows k, v compact [T, kv, HD] at positions *start + t.
+// New rows at positions *start + t: k compact [T, kv, HD] (normed and rotated), v read in place
+// from the stacked projection's rows, [kv, HD] at v + t * v_row_stride.
 
 // bf16 cache. Launch: grid (T, kv), block HD.
 extern "C" __global__ void kv_append_bf16(const float* __restrict__ k, const float* __restrict__ v,
                                           u16* __restrict__ keys, u16* __restrict__ values, const int* start,
-                                          int capacity, int HD) {
+                                          int capacity, int HD, long long v_row_stride) {
   const int t = blockIdx.x, kvh = blockIdx.y, kv = gridDim.y, i = threadIdx.x;
-  const size_t src = ((size_t)t * kv + kvh) * HD + i;
   const size_t dst = ((size_t)kvh * capacity + *start + t) * HD + i;
-  keys[dst] = f32_to_bf16(k[src]);
-  values[dst] = f32_to_bf16(v[src]);
+  keys[dst] = f32_to_bf16(k[((size_t)t * kv + kvh) * HD + i]);
+  values[dst] = f32_to_bf16(v[(size_t)t * v_row_stride + (size_t)kvh * HD + i]);
 }
 
 // q4 cache (Q4KVCache.append): the exact row to the ring (and the sink for positions < SINK); the
@@ -420,12 +420,12 @@ extern "C" __global__ void kv_append_q4(const float* __restrict__ k, const float
                                         const float* __restrict__ signs, u8* key_codes, u16* key_scales,
                                         u8* value_codes, u16* value_scales, float* sink_keys, float* sink_values,
                                         float* ring_keys, float* ring_values, int ring_rows, const int* start,
-                                        int capacity, int HD) {
+                                        int capacity, int HD, long long v_row_stride) {
   __shared__ float r[256];
   const int t = blockIdx.x, kvh = blockIdx.y, kv = gridDim.y, i = threadIdx.x, lane = i % WARP;
   const bool is_value = blockIdx.z == 1;
   const int position = *start + t;
-  const float x = (is_value ? v : k)[((size_t)t * kv + kvh) * HD + i];
+  const float x = is_value ? v[(size_t)t * v_row_stride + (size_t)kvh * HD + i] : k[((size_t)t * kv + kvh) * HD + i];
   float* ring = is_value ? ring_values : ring_keys;
   ring[((size_t)kvh * ring_rows + position % ring_rows) * HD + i] = x;
   if (position < Q4_SINK) (is_value ? sink_values : sink_keys)[((size_t)kvh * Q4_SINK + position) * HD + i] = x;

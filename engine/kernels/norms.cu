@@ -90,11 +90,12 @@ extern "C" __global__ void silu_mul(const float* __restrict__ gate_up, float* __
 }
 
 // Gated attention output: out[t, h, i] = attn[t, h, i] * sigmoid(gate), the gate being the second
-// half of q_proj's per-head [query | gate] (q_and_gate [T, heads, 2D]).
+// half of query head h's [query | gate], read in place from the stacked projection's rows
+// (q_and_gate + t * row_stride + h * 2D).
 extern "C" __global__ void attention_gate(const float* __restrict__ attn, const float* __restrict__ q_and_gate,
-                                          float* __restrict__ out, int D, long long n) {
+                                          float* __restrict__ out, int D, int heads, long long row_stride, long long n) {
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= n) return;
-  const long long head_row = idx / D, i = idx % D;
-  out[idx] = attn[idx] * sigmoid_f(q_and_gate[head_row * 2 * D + D + i]);
+  const long long t = idx / ((long long)heads * D), h = idx / D % heads, i = idx % D;
+  out[idx] = attn[idx] * sigmoid_f(q_and_gate[t * row_stride + h * 2 * D + D + i]);
 }

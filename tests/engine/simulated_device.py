@@ -740,9 +740,10 @@ def silu_mul(grid, block, a):
 
 
 def attention_gate(grid, block, a):
-    D, size = int(a.D), int(a.n)
+    D, heads, size = int(a.D), int(a.heads), int(a.n)
     n = min(size, threads(grid, block))
-    gate = take(a.q_and_gate, size // D, 2 * D)[:, D:]  # the second half of each head's [query | gate]
+    rows = take_rows(a.q_and_gate, size // (heads * D), heads * 2 * D, int(a.row_stride))
+    gate = rows.reshape(-1, 2 * D)[:, D:]  # the second half of each head's [query | gate]
     a.out[:n] = (take(a.attn, size // D, D) * cpu_ops.sigmoid(gate)).ravel()[:n]
 
 
@@ -883,8 +884,13 @@ def kv_append_bf16(grid, block, a):
     if block[0] != HD:
         raise ValueError("kv_append_bf16: a thread per element of the row")
     positions = int(a.start[0]) + np.arange(T)
-    for rows, cache in ((a.k, a.keys), (a.v, a.values)):
-        take(cache, kv, int(a.capacity), HD)[:, positions] = f32_to_bf16_bits(take(rows, T, kv, HD)).transpose(1, 0, 2)
+    for rows, cache in ((take(a.k, T, kv, HD), a.keys), (appended_values(a, T, kv, HD), a.values)):
+        take(cache, kv, int(a.capacity), HD)[:, positions] = f32_to_bf16_bits(rows).transpose(1, 0, 2)
+
+
+def appended_values(a, T: int, kv: int, HD: int) -> np.ndarray:
+    """The value rows a kv_append kernel reads in place, [T, kv, HD] at a row stride of v_row_stride."""
+    return take_rows(a.v, T, kv * HD, int(a.v_row_stride)).reshape(T, kv, HD)
 
 
 def kv_append_q4(grid, block, a):
@@ -892,9 +898,9 @@ def kv_append_q4(grid, block, a):
     sink_rows, ring_rows, capacity = constant("attention", "Q4_SINK"), int(a.ring_rows), int(a.capacity)
     positions = int(a.start[0]) + np.arange(T)
     in_sink = positions < sink_rows
-    for rows, codes, scales, sink, ring in ((a.k, a.key_codes, a.key_scales, a.sink_keys, a.ring_keys),
-                                            (a.v, a.value_codes, a.value_scales, a.sink_values, a.ring_values))[:sides]:
-        x = take(rows, T, kv, HD)
+    for x, codes, scales, sink, ring in ((take(a.k, T, kv, HD), a.key_codes, a.key_scales, a.sink_keys, a.ring_keys),
+                                         (appended_values(a, T, kv, HD), a.value_codes, a.value_scales, a.sink_values,
+                                          a.ring_values))[:sides]:
         take(ring, kv, ring_rows, HD)[:, positions % ring_rows] = x.transpose(1, 0, 2)
         take(sink, kv, sink_rows, HD)[:, positions[in_sink]] = x[in_sink].transpose(1, 0, 2)
         row_codes, row_scales = quantize_q4((x * take(a.signs, HD)) @ rotation(HD))

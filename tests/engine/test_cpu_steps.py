@@ -98,37 +98,46 @@ def test_add_rms_norm_rows_adds_the_residual_and_norms_the_sum():
     assert np.array_equal(alone[0], normed[5])
 
 
-def test_norm_rope_rows_within_the_bound_of_float64():
-    """compiled.norm_rope_rows: each head's first hd values (a query beside its gate here) normed, then
-    rotated at its token's position, against float64 formulas of REFERENCE.md's zero-centred norm and
-    NeoX rotate-half (pairs i, i + 8 of 16 rotated dims) at the same fp32 angles; a token's rows alone
-    give the bits they get among others. Bound: the norm's (hd / 2 + 5) U relative, then a rotated
-    value a cos - b sin adds 4 U of |a| + |b| (cos and sin rounded, two products and a sum)."""
+def test_qk_norm_rope_rows_within_the_bound_of_float64():
+    """compiled.qk_norm_rope_rows: from the stacked projection's rows (per query head [query | gate],
+    then the keys, then the values), each query head of rows first.. and each key head of every row
+    normed, then rotated at its token's position, against float64 formulas of REFERENCE.md's
+    zero-centred norm and NeoX rotate-half (pairs i, i + 8 of 16 rotated dims) at the same fp32
+    angles; a token's heads alone give the bits they get among others. Bound: the norm's
+    (hd / 2 + 5) U relative, then a rotated value a cos - b sin adds 4 U of |a| + |b| (cos and sin
+    rounded, two products and a sum)."""
     from duet.engine.backend.cpu_ops import rope_frequencies
 
     rng = np.random.default_rng(5)
-    T, heads, hd, width, start = 5, 3, 64, 128, 1000
-    x = (rng.standard_normal((T * heads, width)) * rng.uniform(0.01, 100, (T * heads, 1))).astype(np.float32)
-    weight = rng.standard_normal(hd).astype(np.float32)
+    T, first, heads, kv, hd, start = 5, 2, 3, 2, 64, 1000
+    queries = heads * 2 * hd
+    qkv = (rng.standard_normal((T, queries + 2 * kv * hd)) * rng.uniform(0.01, 100, (T, 1))).astype(np.float32)
+    q_norm, k_norm = (rng.standard_normal(hd).astype(np.float32) for _ in range(2))
     inv_freq = rope_frequencies(16, 1e7)
     eps = np.float32(1e-6)
-    got = np.empty((T * heads, hd), np.float32)
-    compiled.norm_rope_rows(x, heads, weight, eps, start, inv_freq, got)
+    q, k = np.empty((T - first, heads, hd), np.float32), np.empty((kv, T, hd), np.float32)
+    compiled.qk_norm_rope_rows(qkv, first, q_norm, k_norm, eps, start, inv_freq, q, k)
     for t in range(T):
-        alone = np.empty((heads, hd), np.float32)
-        compiled.norm_rope_rows(x[t * heads : (t + 1) * heads], heads, weight, eps, start + t, inv_freq, alone)
-        np.testing.assert_array_equal(alone, got[t * heads : (t + 1) * heads])
-    x64 = x[:, :hd].astype(np.float64)
-    normed = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + float(eps)) * weight
-    positions = np.repeat(np.arange(start, start + T, dtype=np.float32), heads)
-    angles = (positions[:, None] * inv_freq[None, :]).astype(np.float64)  # the fp32 angles the kernel forms
-    a, b = normed[:, :8], normed[:, 8:16]
-    want = np.concatenate([a * np.cos(angles) - b * np.sin(angles), b * np.cos(angles) + a * np.sin(angles), normed[:, 16:]], axis=1)
-    norm_bound = (hd / 2 + 5) * U
-    pair = np.concatenate([np.abs(a) + np.abs(b)] * 2, axis=1)
-    bound = np.concatenate([(norm_bound + 4 * U) * pair, norm_bound * np.abs(normed[:, 16:])], axis=1)
-    np.testing.assert_array_less(np.abs(got - want), bound + 1e-37)
-    assert not np.array_equal(got[:, :16], normed[:, :16].astype(np.float32))  # rotated indeed
+        q_alone, k_alone = np.empty((1, heads, hd), np.float32), np.empty((kv, 1, hd), np.float32)
+        compiled.qk_norm_rope_rows(qkv[t : t + 1], 0, q_norm, k_norm, eps, start + t, inv_freq, q_alone, k_alone)
+        np.testing.assert_array_equal(k_alone[:, 0], k[:, t])
+        if t >= first:
+            np.testing.assert_array_equal(q_alone[0], q[t - first])
+    positions = np.arange(start, start + T, dtype=np.float32)
+    heads_in = {"q": (qkv[first:, :queries].reshape(T - first, heads, 2 * hd)[..., :hd], q_norm, positions[first:], q),
+                "k": (qkv[:, queries : queries + kv * hd].reshape(T, kv, hd), k_norm, positions, k.transpose(1, 0, 2))}
+    for x, weight, at, got in heads_in.values():
+        x64 = x.astype(np.float64)
+        normed = x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + float(eps)) * weight
+        angles = (at[:, None, None] * inv_freq[None, None, :]).astype(np.float64)  # the fp32 angles the kernel forms
+        a, b = normed[..., :8], normed[..., 8:16]
+        want = np.concatenate([a * np.cos(angles) - b * np.sin(angles), b * np.cos(angles) + a * np.sin(angles),
+                               normed[..., 16:]], axis=-1)
+        norm_bound = (hd / 2 + 5) * U
+        pair = np.concatenate([np.abs(a) + np.abs(b)] * 2, axis=-1)
+        bound = np.concatenate([(norm_bound + 4 * U) * pair, norm_bound * np.abs(normed[..., 16:])], axis=-1)
+        np.testing.assert_array_less(np.abs(got - want), bound + 1e-37)
+        assert not np.array_equal(got[..., :16], normed[..., :16].astype(np.float32))  # rotated indeed
 
 
 def test_swiglu_rows_within_the_bound_of_float64():
@@ -187,20 +196,22 @@ def test_a_verify_rows_conv_has_each_rows_decode_bits_and_rolls_forward_the_stat
 
 
 def test_attend_rows_within_the_bound_of_float64_softmax_attention():
-    """compiled.attend_rows against softmax attention in float64, each row over its own keys, with
-    grouped query heads; a row alone gives the bits it gets among others. Bound: a score's dot of hd
-    terms errs by at most hd U sum|q_d k_d| (scaled); softmax turns score errors of at most e into
-    weight errors of at most 2e relative; the weighted sum of n values adds n U; exp adds 4 U."""
+    """compiled.attend_rows against gated softmax attention in float64, each row over its own keys,
+    with grouped query heads, the gates read from the stacked projection's rows; a row alone gives
+    the bits it gets among others. Bound: a score's dot of hd terms errs by at most hd U sum|q_d k_d|
+    (scaled); softmax turns score errors of at most e into weight errors of at most 2e relative; the
+    weighted sum of n values adds n U; exp adds 4 U; the gate (an exp, a sum, a division) 7 U more."""
     rng = np.random.default_rng(7)
     T, heads, kv, hd, past = 5, 4, 2, 64, 15
     q = rng.standard_normal((T, heads, hd)).astype(np.float32)
     keys = rng.standard_normal((kv, past + T + 3, hd)).astype(np.float32)  # rows past the last query unread
     values = rng.standard_normal((kv, past + T + 3, hd)).astype(np.float32)
+    gates = (rng.standard_normal((T, heads * 2 * hd + 2 * kv * hd)) * 3).astype(np.float32)
     got = np.empty((T, heads * hd), np.float32)
-    compiled.attend_rows(q, keys, values, past, got)
+    compiled.attend_rows(q, keys, values, past, gates, got)
     for t in range(T):
         alone = np.empty((1, heads * hd), np.float32)
-        compiled.attend_rows(q[t : t + 1], keys, values, past + t, alone)
+        compiled.attend_rows(q[t : t + 1], keys, values, past + t, gates[t : t + 1], alone)
         np.testing.assert_array_equal(alone[0], got[t])
     scale = hd**-0.5
     for t in range(T):
@@ -210,7 +221,8 @@ def test_attend_rows_within_the_bound_of_float64_softmax_attention():
             scores = k64 @ q64 * scale
             weights = np.exp(scores - scores.max())
             weights /= weights.sum()
-            want = weights @ v64
+            gate = 1 / (1 + np.exp(-gates[t, h * 2 * hd + hd : (h + 1) * 2 * hd].astype(np.float64)))
+            want = (weights @ v64) * gate
             score_error = hd * U * (np.abs(k64) @ np.abs(q64)).max() * scale
-            bound = (2 * score_error + (n + 8) * U) * np.abs(v64).max()
+            bound = (2 * score_error + (n + 15) * U) * np.abs(v64).max()
             np.testing.assert_array_less(np.abs(got[t, h * hd : (h + 1) * hd] - want), bound)

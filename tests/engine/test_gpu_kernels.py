@@ -231,7 +231,7 @@ def test_attention_bf16_cache_matches_cpu(T, past, hd, cp):
     heads, kv = 8, 2
     q, keys, values = attention_inputs(T, past, heads, kv, hd, seed=T + past)
     cache = gb.KVCache(kv, hd, capacity=past + T)
-    cache.append(keys, values, cp.asarray([0], cp.int32))
+    cache.append(keys, in_wider_rows(values, cp), cp.asarray([0], cp.int32))
     got = host(gb.attend(q, cache, cp.asarray([past], cp.int32), past))
     # the GPU cache stores bf16: the CPU reference reads the same rounded rows
     k_rounded, v_rounded = (round_to_bf16(a).transpose(1, 0, 2) for a in (keys, values))
@@ -248,13 +248,22 @@ def test_attention_q4_cache_matches_cpu(T, past, cp):
     cache = gb.Q4KVCache(kv, hd, capacity=past + T)
     for start in range(0, past + T, 16):  # appended as decode and verify steps would
         rows = slice(start, min(past + T, start + 16))
-        cache.append(keys[rows], values[rows], cp.asarray([start], cp.int32))
+        cache.append(keys[rows], in_wider_rows(values[rows], cp), cp.asarray([start], cp.int32))
     assert np.array_equal(host(cache.signs), cpu_cache.signs)
     got = host(gb.attend(q, cache, cp.asarray([past], cp.int32), past))
     want = np.concatenate([attend(q[t:t + 1], *cpu_cache.rows(past + t + 1), past + t) for t in range(T)])
     # codes can differ where a rotated value sits on a rounding boundary (the CPU rotates by a float64
     # matmul, the GPU by fp32 butterflies): one level of one group moves an output by ~scale / 7.
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-3)
+
+
+def in_wider_rows(x: np.ndarray, cp, before: int = 5, after: int = 3):
+    """x [T, ...] as the columns of wider device rows (NaN around them), as the stacked q | k | v
+    projection hands the kernels its column ranges to read in place."""
+    rows = x.reshape(x.shape[0], -1)
+    wide = np.concatenate([np.full((len(rows), before), np.nan, np.float32), rows,
+                           np.full((len(rows), after), np.nan, np.float32)], axis=1)
+    return cp.asarray(wide)[:, before : before + rows.shape[1]]
 
 
 # ------------------------------------------------------------------------ norms ---
@@ -282,10 +291,14 @@ def test_norms_gates_and_rope_match_cpu(cp):
     cos, sin = rope_tables(np.arange(past, past + T), rotary, theta)
     want = apply_rope(rms_norm(q_and_gate.reshape(T, heads, 2 * hd)[..., :hd], norm_w, eps), cos, sin)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(host(gb.qk_norm_rope(in_wider_rows(q_and_gate, cp), norm_w, inv_freq, cp.asarray([past], cp.int32),
+                                                       heads, hd, 2 * hd, rotary, eps)), got)
 
     attn = rng.standard_normal((T, heads * hd)).astype(np.float32)
     gate = q_and_gate.reshape(T, heads, 2 * hd)[..., hd:].reshape(T, heads * hd)
-    np.testing.assert_allclose(host(gb.attention_gate(attn, q_and_gate, hd)), attn * sigmoid(gate), rtol=1e-5, atol=1e-7)
+    gated = host(gb.attention_gate(attn, q_and_gate, hd))
+    np.testing.assert_allclose(gated, attn * sigmoid(gate), rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(host(gb.attention_gate(attn, in_wider_rows(q_and_gate, cp), hd)), gated)
 
     gate_up = rng.standard_normal((T, 2 * 1024)).astype(np.float32)
     np.testing.assert_allclose(host(gb.silu_mul(gate_up)), silu(gate_up[:, :1024]) * gate_up[:, 1024:], rtol=1e-5, atol=1e-7)
