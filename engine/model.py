@@ -148,9 +148,9 @@ class DecoderLayer:
         through this layer: (the residual, this layer's output). Each residual add happens inside the
         norm that follows it (ops.add_rms_norm: one pass, one kernel on the GPU), so this layer's output
         is added by the next layer's input norm, or the final norm."""
-        x, normed = self.ops.add_rms_norm(x, delta, self.input_norm, self.eps)
+        x, normed = self.ops.add_rms_norm(x, delta, self.input_norm, self.eps, for_linears=True)
         mixed = self.mixer(normed, cache, pos, last_only)
-        x, normed = self.ops.add_rms_norm(x[-1:] if last_only else x, mixed, self.post_norm, self.eps)
+        x, normed = self.ops.add_rms_norm(x[-1:] if last_only else x, mixed, self.post_norm, self.eps, for_linears=True)
         return x, self.ffn(normed)
 
 

@@ -371,9 +371,11 @@ class CpuOps:
         compiled.rms_norm_rows(rows, np.ascontiguousarray(weight, dtype=np.float32), np.float32(eps), out)
         return out.reshape(x.shape)
 
-    def add_rms_norm(self, x: np.ndarray, delta: np.ndarray | None, weight: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    def add_rms_norm(self, x: np.ndarray, delta: np.ndarray | None, weight: np.ndarray, eps: float,
+                     for_linears: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(x + delta, its rms_norm): a residual add and the norm after it (engine/model.py's
-        DecoderLayer); delta None adds nothing."""
+        DecoderLayer); delta None adds nothing. for_linears: only Linears read the norm (the GPU's
+        op set then hands it in the form they read; here it is the fp32 rows either way)."""
         if delta is None:
             return x, self.rms_norm(x, weight, eps)
         if x.shape[0] > MAX_ROWS or not self.compiled_steps or x.ndim != 2 or weight.shape != x.shape[-1:]:

@@ -33,8 +33,48 @@ def _f32(v) -> np.float32:
     return np.float32(v)
 
 
-def _device_f32(x) -> cp.ndarray:
+def device_f32(x) -> cp.ndarray:
+    """x as contiguous fp32 on the device (an Activations' fp32 rows)."""
+    if isinstance(x, Activations):
+        x = x.f32
     return cp.ascontiguousarray(cp.asarray(x, dtype=cp.float32))
+
+
+# The forms of a Linear's input its producing kernel can write beside the fp32 value (common.cuh's
+# emit_forms): what the w4a16 and w4a8 Linears read. A Linear class's READS names its form.
+EMIT_BF16, EMIT_INT8 = 1, 2
+
+
+class Activations:
+    """A Linear's input as the kernel that made it emitted it: fp32 rows [T, K] and the forms the op
+    set's Linears read (bf16 bits [T, K] for w4a16; int8 codes [T, K] with an fp32 scale per 32
+    inputs [T, K / 32] for w4a8; None where not emitted), so no Linear launches a conversion. Rows
+    slice every form alike; anything else reads the fp32 rows."""
+
+    def __init__(self, f32: cp.ndarray, bf16: cp.ndarray | None, q: cp.ndarray | None, scale: cp.ndarray | None):
+        self.f32, self.bf16, self.q, self.scale = f32, bf16, q, scale
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.f32.shape
+
+    def __getitem__(self, rows) -> Activations:
+        return Activations(*(None if a is None else a[rows] for a in (self.f32, self.bf16, self.q, self.scale)))
+
+
+def _emitted(y: cp.ndarray, forms: int) -> tuple[tuple, Activations | cp.ndarray]:
+    """The emit arguments of a kernel writing y [T, K] (buffers for the forms asked, one-element
+    stand-ins for the others: a kernel argument is never None) and what the call returns: y, or y
+    with its forms. int8 needs whole 32-blocks: K % 32 == 0."""
+    T, K = y.shape[0], y.size // max(1, y.shape[0])
+    if K % 32:
+        forms &= ~EMIT_INT8
+    bf16 = cp.empty((T, K), cp.uint16) if forms & EMIT_BF16 else cp.empty(1, cp.uint16)
+    q = cp.empty((T, K), cp.int8) if forms & EMIT_INT8 else cp.empty(1, cp.int8)
+    scale = cp.empty((T, K // 32), cp.float32) if forms & EMIT_INT8 else cp.empty(1, cp.float32)
+    result = Activations(y, *((bf16,) if forms & EMIT_BF16 else (None,)),
+                         *((q, scale) if forms & EMIT_INT8 else (None, None))) if forms else y
+    return (bf16, q, scale, _i32(forms)), result
 
 
 def _sm_count() -> int:
@@ -58,14 +98,14 @@ class DenseLinear:
     route = "bf16"
 
     def __init__(self, weight: np.ndarray):
-        self.weight = _device_f32(weight)
+        self.weight = device_f32(weight)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.weight.shape
 
     def __call__(self, x) -> cp.ndarray:
-        return _device_f32(x) @ self.weight.T
+        return device_f32(x) @ self.weight.T
 
 
 class BF16Linear(DenseLinear):
@@ -87,7 +127,8 @@ class RowSlicedLinear:
         return self.N, self.K
 
     def __call__(self, x) -> cp.ndarray:
-        x = _device_f32(x)
+        if not isinstance(x, Activations):
+            x = device_f32(x)
         if x.shape[0] <= MAX_ROWS:  # a decode or verify pass: the kernel's output is the result, no copy
             return self.run_rows(x)
         out = cp.empty((x.shape[0], self.N), cp.float32)
@@ -104,6 +145,7 @@ class W4A16Linear(RowSlicedLinear):
     """
 
     route = "w4a16"
+    READS = EMIT_BF16
 
     def __init__(self, weight: W4Weight):
         N, K = weight.shape
@@ -115,9 +157,9 @@ class W4A16Linear(RowSlicedLinear):
         groups, tiles = K // GROUP, N // 16
         self.splits = max(1, min(groups // 8, _blocks(4 * _sm_count(), tiles)))
 
-    def run_rows(self, x: cp.ndarray) -> cp.ndarray:
+    def run_rows(self, x: cp.ndarray | Activations) -> cp.ndarray:
         T = x.shape[0]
-        xb = to_bf16_bits(x)
+        xb = x.bf16 if isinstance(x, Activations) and x.bf16 is not None else to_bf16_bits(device_f32(x))
         partial = cp.empty((self.splits, T, self.N), cp.float32)
         name = "w4a16_gemm_t8" if T <= 8 else "w4a16_gemm_t16"
         kernel("w4a16", name)((self.N // 16, self.splits), (256,),
@@ -157,6 +199,7 @@ class W4A8Linear(RowSlicedLinear):
     IQ4_XS blocks."""
 
     route = "w4a8"
+    READS = EMIT_INT8
 
     def __init__(self, weight: W4Weight | BlockMatrix):
         N, K = weight.shape
@@ -172,8 +215,8 @@ class W4A8Linear(RowSlicedLinear):
         self.row_bytes = self.weights.nbytes // N
         self.N, self.K = N, K
 
-    def run_rows(self, x: cp.ndarray) -> cp.ndarray:
-        q, scale = quantize_int8(x)
+    def run_rows(self, x: cp.ndarray | Activations) -> cp.ndarray:
+        q, scale = (x.q, x.scale) if isinstance(x, Activations) and x.q is not None else quantize_int8(device_f32(x))
         T = q.shape[0]
         out = cp.empty((T, self.N), cp.float32)
         kernel("w4a8", f"int8_gemv_{self.codec}")(
@@ -191,13 +234,13 @@ class TrellisLinear(RowSlicedLinear):
     def __init__(self, weight: TrellisWeight):
         N, K = weight.shape
         self.packed = cp.asarray(weight.packed)
-        self.row_scale = _device_f32(weight.row_scale)
-        self.signs = _device_f32(rotation_signs(K, weight.seed))
+        self.row_scale = device_f32(weight.row_scale)
+        self.signs = device_f32(rotation_signs(K, weight.seed))
         self.k, self.multiplier = weight.k, np.uint32(MULTIPLIERS[weight.k])
         self.N, self.K = N, K
 
-    def run_rows(self, x: cp.ndarray) -> cp.ndarray:
-        q, scale = rotate_quantize_int8(x, self.signs)
+    def run_rows(self, x: cp.ndarray | Activations) -> cp.ndarray:
+        q, scale = rotate_quantize_int8(device_f32(x), self.signs)
         T = q.shape[0]
         out = cp.empty((T, self.N), cp.float32)
         kernel("w4a8", "trellis_gemv")((self.N // 16,), (128,),
@@ -227,41 +270,47 @@ class PermutedInput:
         return self.linear.shape
 
     def __call__(self, x) -> cp.ndarray:
-        return self.linear(_device_f32(x)[:, self.order])
+        return self.linear(device_f32(x)[:, self.order])
 
 
 # --------------------------------------------------------------------------- row ops ---
 
-def rms_norm(x, weight, eps: float) -> cp.ndarray:
+def rms_norm(x, weight, eps: float, forms: int = 0) -> cp.ndarray | Activations:
     """x [..., D] / sqrt(mean(x^2) + eps) * weight over the last axis (zero-centred norms pass 1 + w).
-    weight [D], or [k, D] when the rows take k weights in turn (Flash-Next's streams: x [T, hc, H], weight [hc, H])."""
-    x, weight = _device_f32(x), _device_f32(weight)
+    weight [D], or [k, D] when the rows take k weights in turn (Flash-Next's streams: x [T, hc, H], weight [hc, H]).
+    With `forms` (x [T, D]), also those forms (then Activations) for the Linear that reads it."""
+    x, weight = device_f32(x), device_f32(weight)
     D = x.shape[-1]
     y = cp.empty_like(x)
-    kernel("norms", "rms_norm")((x.size // D,), (256,), (x, weight, y, _i32(D), _i32(weight.size // D), _f32(eps)))
-    return y
+    emit, normed = _emitted(y, forms)
+    kernel("norms", "rms_norm")((x.size // D,), (256,), (x, weight, y, _i32(D), _i32(weight.size // D), _f32(eps), *emit))
+    return normed
 
 
-def add_rms_norm(x, delta, weight, eps: float) -> tuple[cp.ndarray, cp.ndarray]:
-    """(x + delta, rms_norm of it with weight [D]) over rows of D, in one kernel: the residual add of a
-    decoder layer and the norm that follows it."""
-    x, delta = _device_f32(x), _device_f32(delta)
+def add_rms_norm(x, delta, weight, eps: float, forms: int = 0) -> tuple[cp.ndarray, cp.ndarray | Activations]:
+    """(x + delta, rms_norm of it with weight [D]) over rows of D [T, D], in one kernel: the residual add
+    of a decoder layer and the norm that follows it; the norm also in the emitted `forms` (then
+    Activations) for the Linear that reads it."""
+    x, delta = device_f32(x), device_f32(delta)
     D = x.shape[-1]
     total, y = cp.empty_like(x), cp.empty_like(x)
-    kernel("norms", "add_rms_norm")((x.size // D,), (256,), (x, delta, _device_f32(weight), total, y, _i32(D), _f32(eps)))
-    return total, y
+    emit, normed = _emitted(y, forms)
+    kernel("norms", "add_rms_norm")((x.size // D,), (256,), (x, delta, device_f32(weight), total, y, _i32(D), _f32(eps), *emit))
+    return total, normed
 
 
-def gated_rms_norm(x, z, weight, eps: float, sigmoid: bool = False) -> cp.ndarray:
+def gated_rms_norm(x, z, weight, eps: float, sigmoid: bool = False, forms: int = 0) -> cp.ndarray | Activations:
     """DeltaNet's gated norm per value head: x [T, heads, D], z [T, heads * D] (rows may be wider:
-    read in place) -> rms_norm(x, w) * silu(z) [T, heads * D]; sigmoid(z) with `sigmoid` (Flash-Next's gate)."""
-    x = _device_f32(x)
+    read in place) -> rms_norm(x, w) * silu(z) [T, heads * D]; sigmoid(z) with `sigmoid` (Flash-Next's
+    gate); also in the emitted `forms` (then Activations) for out_proj. D % 32 == 0 for int8."""
+    x = device_f32(x)
     T, heads, D = x.shape
     z, z_stride = _rows(z)
     y = cp.empty((T, heads * D), cp.float32)
+    emit, out = _emitted(y, forms if D % 32 == 0 else forms & ~EMIT_INT8)
     kernel("norms", "gated_rms_norm_sigmoid" if sigmoid else "gated_rms_norm")(
-        (T * heads,), (128,), (x, z, _device_f32(weight), y, _i32(D), _f32(eps), _i32(heads), _i64(z_stride)))
-    return y
+        (T * heads,), (128,), (x, z, device_f32(weight), y, _i32(D), _f32(eps), _i32(heads), _i64(z_stride), *emit))
+    return out
 
 
 def _rows(x) -> tuple[cp.ndarray, int]:
@@ -269,7 +318,7 @@ def _rows(x) -> tuple[cp.ndarray, int]:
     taken from wider rows cost no copy."""
     if isinstance(x, cp.ndarray) and x.dtype == cp.float32 and x.ndim == 2 and x.strides[1] == 4:
         return x, x.strides[0] // 4
-    x = _device_f32(x)
+    x = device_f32(x)
     return x, x.shape[1]
 
 
@@ -282,30 +331,34 @@ def qk_norm_rope(x, weight, inv_freq, start: cp.ndarray, heads: int, head_dim: i
     T = x.shape[0]
     y = cp.empty((T, heads, head_dim), cp.float32)
     kernel("norms", "qk_norm_rope")((heads, T), (head_dim,),
-                                    (x, _device_f32(weight), _device_f32(inv_freq), start, y, _i32(head_dim),
+                                    (x, device_f32(weight), device_f32(inv_freq), start, y, _i32(head_dim),
                                      _i64(row_stride), _i32(head_stride), _i32(rotary_dim), _f32(eps)))
     return y
 
 
-def silu_mul(gate_up) -> cp.ndarray:
-    """[T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
-    gate_up = _device_f32(gate_up)
+def silu_mul(gate_up, forms: int = 0) -> cp.ndarray | Activations:
+    """[T, 2I] (gate | up) -> silu(gate) * up [T, I], also in the emitted `forms` (then Activations)
+    for the down projection."""
+    gate_up = device_f32(gate_up)
     T, I = gate_up.shape[0], gate_up.shape[1] // 2
     out = cp.empty((T, I), cp.float32)
-    kernel("norms", "silu_mul")((_blocks(out.size, 256),), (256,), (gate_up, out, _i32(I), _i64(out.size)))
-    return out
+    emit, result = _emitted(out, forms)
+    kernel("norms", "silu_mul")((_blocks(out.size, 256),), (256,), (gate_up, out, _i32(I), _i64(out.size), *emit))
+    return result
 
 
-def attention_gate(attn, q_and_gate, head_dim: int) -> cp.ndarray:
+def attention_gate(attn, q_and_gate, head_dim: int, forms: int = 0) -> cp.ndarray | Activations:
     """attn [T, heads * D] times sigmoid of the gate half of q_and_gate [T, heads * 2D] (per head
-    [query | gate]; rows may be wider: the stacked projection's, read in place)."""
-    attn = _device_f32(attn)
+    [query | gate]; rows may be wider: the stacked projection's, read in place); also in the emitted
+    `forms` (then Activations) for o_proj."""
+    attn = device_f32(attn)
     q_and_gate, row_stride = _rows(q_and_gate.reshape(q_and_gate.shape[0], -1))
     out = cp.empty_like(attn)
+    emit, result = _emitted(out, forms)
     kernel("norms", "attention_gate")((_blocks(out.size, 256),), (256,),
                                       (attn, q_and_gate, out, _i32(head_dim), _i32(attn.shape[1] // head_dim),
-                                       _i64(row_stride), _i64(out.size)))
-    return out
+                                       _i64(row_stride), _i64(out.size), *emit))
+    return result
 
 
 # -------------------------------------------------------------------------- DeltaNet ---
@@ -334,7 +387,7 @@ def causal_conv(mixed, taps, state: DeltaNetState) -> cp.ndarray:
     out = cp.empty((T, C), cp.float32)
     KW = taps.shape[1]
     kernel("deltanet", "causal_conv_silu")((_blocks(C, 256),), (256,),
-                                           (mixed, _device_f32(taps), state.conv, state.window, out, _i32(T), _i32(C),
+                                           (mixed, device_f32(taps), state.conv, state.window, out, _i32(T), _i32(C),
                                             _i32(KW), _i64(stride)))
     return out
 
@@ -356,7 +409,7 @@ def delta_rule_rows(qk, Hk: int, dk: int, v, b, a, decay_rate, dt_bias, state: D
         raise ValueError(f"deltanet kernel takes key dims 32, 64, 128 and value dims of 32s, got {dk}, {dv}")
     out = cp.empty((T, Hv, dv), cp.float32)
     kernel("deltanet", f"deltanet_rows_dk{dk}")((Hv, dv // 32), (128,),
-                                               (qk, v, b, a, _device_f32(decay_rate), _device_f32(dt_bias),
+                                               (qk, v, b, a, device_f32(decay_rate), device_f32(dt_bias),
                                                 state.recurrent, state.row_states, out, _i32(T), _i32(Hk), _i32(Hv), _i32(dv),
                                                 _i64(qk_stride), _f32(dk ** -0.5), _i64(v_stride), _i64(ba_stride)))
     return out
@@ -379,7 +432,7 @@ class KVCache:
     def append(self, k, v, start: cp.ndarray) -> None:
         """k [T, kv, hd] and v [T, kv * hd] (rows may be wider: read in place) at positions start[0] + t
         (start[0] == self.length)."""
-        k, (v, v_stride) = _device_f32(k), _rows(v.reshape(v.shape[0], -1))
+        k, (v, v_stride) = device_f32(k), _rows(v.reshape(v.shape[0], -1))
         T, kv, hd = k.shape
         kernel("attention", "kv_append_bf16")((T, kv), (hd,), (k, v, self.keys, self.values, start,
                                                                _i32(self.keys.shape[1]), _i32(hd), _i64(v_stride)))
@@ -413,7 +466,7 @@ class Q4KVCache:
     in separate arrays."""
 
     def __init__(self, kv_heads: int, head_dim: int, capacity: int, seed: int = 0):
-        self.signs = _device_f32(np.random.default_rng(seed).choice([-1.0, 1.0], head_dim).astype(np.float32))
+        self.signs = device_f32(np.random.default_rng(seed).choice([-1.0, 1.0], head_dim).astype(np.float32))
         self.key_codes = cp.zeros((kv_heads, capacity, head_dim // 2), cp.uint8)
         self.value_codes = cp.zeros_like(self.key_codes)
         self.key_scales = cp.zeros((kv_heads, capacity, head_dim // Q4_GROUP), cp.uint16)
@@ -427,7 +480,7 @@ class Q4KVCache:
 
     def append(self, k, v, start: cp.ndarray) -> None:
         """KVCache.append's rows, coded."""
-        k, (v, v_stride) = _device_f32(k), _rows(v.reshape(v.shape[0], -1))
+        k, (v, v_stride) = device_f32(k), _rows(v.reshape(v.shape[0], -1))
         T, kv, hd = k.shape
         kernel("attention", "kv_append_q4")((T, kv, 2), (hd,),
                                             (k, v, self.signs, self.key_codes, self.key_scales, self.value_codes,
@@ -451,7 +504,7 @@ class Q4KVCache:
 def attend(q, cache: KVCache | Q4KVCache, start: cp.ndarray, past: int) -> cp.ndarray:
     """Causal GQA of q [T, heads, hd] (T <= 16; row t at position start[0] + t, whose KV rows the
     cache already holds) -> [T, heads * hd]. `past` = start[0] on the host, to size the grid."""
-    q = _device_f32(q)
+    q = device_f32(q)
     T, heads, hd = q.shape
     scale = _f32(hd ** -0.5)
     end = past + T
@@ -498,7 +551,7 @@ def _combined(part_ml: cp.ndarray, part_acc: cp.ndarray, signs: cp.ndarray, n_pl
 
 def silu_div(x, divisor: int) -> cp.ndarray:
     """silu(x / divisor), elementwise."""
-    x = _device_f32(x)
+    x = device_f32(x)
     out = cp.empty_like(x)
     kernel("flash_next", "silu_div")((_blocks(x.size, 256),), (256,), (x, out, _f32(divisor), _i64(x.size)))
     return out
@@ -506,7 +559,7 @@ def silu_div(x, divisor: int) -> cp.ndarray:
 
 def hc_mix(normed, logits, hc: int) -> cp.ndarray:
     """The mean over streams of sigmoid(logits) * normed, both [T, hc * H] -> [T, H]."""
-    normed, logits = _device_f32(normed), _device_f32(logits)
+    normed, logits = device_f32(normed), device_f32(logits)
     T, H = normed.shape[0], normed.shape[1] // hc
     mixed = cp.empty((T, H), cp.float32)
     kernel("flash_next", "hc_mix")((_blocks(mixed.size, 256),), (256,), (normed, logits, mixed, _i32(H), _i32(hc), _i64(mixed.size)))
@@ -515,7 +568,7 @@ def hc_mix(normed, logits, hc: int) -> cp.ndarray:
 
 def hc_inject(streams, out, logits, hc: int) -> cp.ndarray:
     """Each stream of streams [T, hc * H] plus out [T, H] times 2 sigmoid(logits / hc), logits [T, hc]."""
-    streams, out, logits = _device_f32(streams), _device_f32(out), _device_f32(logits)
+    streams, out, logits = device_f32(streams), device_f32(out), device_f32(logits)
     injected = cp.empty_like(streams)
     kernel("flash_next", "hc_inject")((_blocks(streams.size, 256),), (256,),
                                       (streams, out, logits, injected, _i32(out.shape[1]), _i32(hc), _i64(streams.size)))
@@ -524,7 +577,7 @@ def hc_inject(streams, out, logits, hc: int) -> cp.ndarray:
 
 def ple_gate(key, query, value, hc: int) -> cp.ndarray:
     """value [T, H] into each stream, weighed by the sign-sqrt gate of key . query per stream (both [T, hc * H])."""
-    key, query, value = _device_f32(key), _device_f32(query), _device_f32(value)
+    key, query, value = device_f32(key), device_f32(query), device_f32(value)
     T, H = value.shape
     gated = cp.empty((T, hc * H), cp.float32)
     kernel("flash_next", "ple_gate")((T * hc,), (256,), (key, query, value, gated, _i32(H), _i32(hc), _f32(np.sqrt(H))))
@@ -534,11 +587,11 @@ def ple_gate(key, query, value, hc: int) -> cp.ndarray:
 def ple_conv(gated, normed, taps, dilation: int, state) -> cp.ndarray:
     """gated + silu of the dilated causal conv of normed [T, C] (taps [C, K]) after state.conv's inputs; the
     state advanced, a short call's window kept for a rollback (engine.cache.PLEState, its conv on the device)."""
-    gated, normed = _device_f32(gated), _device_f32(normed)
+    gated, normed = device_f32(gated), device_f32(normed)
     T, C = normed.shape
     window = cp.empty((state.conv.shape[0] + T, C), cp.float32)
     out = cp.empty((T, C), cp.float32)
-    kernel("flash_next", "ple_conv")((_blocks(C, 256),), (256,), (normed, _device_f32(taps), state.conv, window, gated, out,
+    kernel("flash_next", "ple_conv")((_blocks(C, 256),), (256,), (normed, device_f32(taps), state.conv, window, gated, out,
                                                                   _i32(T), _i32(C), _i32(taps.shape[1]), _i32(dilation)))
     state.conv_window = window if T <= MAX_ROWS else None
     state.conv = window[T:].copy()
@@ -593,7 +646,7 @@ def pool_index_blocks(cache: IndexedKVCache, first_block: int, n: int, k_norm, i
     """Blocks first_block .. + n of the cache's raw keys pooled into cache.blocks: mean, norm, RoPE at the
     block's first position (its first cache row + offset)."""
     kernel("flash_next", "index_pool")((n,), (cache.raw.shape[1],),
-                                       (cache.raw, _device_f32(k_norm), _device_f32(inv_freq), cache.blocks, _i32(first_block),
+                                       (cache.raw, device_f32(k_norm), device_f32(inv_freq), cache.blocks, _i32(first_block),
                                         _i32(cache.ratio), _i32(rotary_dim), _i32(offset), _f32(eps)))
 
 
@@ -601,7 +654,7 @@ def qsa_select(q, blocks, start: cp.ndarray, past: int, ratio: int, top_blocks: 
     """The cache rows each query row reads, q [T, heads, d] the indexer's queries of cache rows start[0] + t
     (`past` = start[0] on the host, to size the buffers), blocks [>= (past + T) / ratio, d] the pooled keys:
     selected int32 [T, width] (ascending, the first counts[t] of row t) and counts int32 [T]."""
-    q = _device_f32(q)
+    q = device_f32(q)
     T, heads, d = q.shape
     n_blocks = max(1, (past + T) // ratio)
     scores = cp.empty((T, n_blocks), cp.float32)
@@ -618,7 +671,7 @@ def qsa_select(q, blocks, start: cp.ndarray, past: int, ratio: int, top_blocks: 
 def attend_selected(q, cache: KVCache | Q4KVCache, start: cp.ndarray, selected: cp.ndarray, counts: cp.ndarray) -> cp.ndarray:
     """QSA's sparse attention: q [T, heads, hd] (row t the cache's row start[0] + t, already in it) over the
     cache rows selected[t, :counts[t]] -> [T, heads * hd]."""
-    q = _device_f32(q)
+    q = device_f32(q)
     T, heads, hd = q.shape
     width, scale = selected.shape[1], _f32(hd ** -0.5)
     if isinstance(cache, KVCache):

@@ -79,7 +79,7 @@ class OnHost:
         self.linear = linear
 
     def __call__(self, x) -> cp.ndarray:
-        return cp.asarray(self.linear(cp.asnumpy(x)))
+        return cp.asarray(self.linear(cp.asnumpy(gb.device_f32(x))))
 
 
 class GpuShortlistHead:
@@ -173,12 +173,16 @@ class GpuOps:
         self.graphable = True
         self.graph_error: str | None = None
         self._last_graph: tuple[cp.ndarray, CycleGraph] | None = None
+        self.forms = 0  # what the kernels feeding Linears emit beside fp32: the forms the Linears made read
 
     # ---- assembly: stored tensors -> what the layers hold
 
     def linear(self, weight, route: str):
-        """The route's GPU Linear for a stored weight; ValueError where our kernels do not take it."""
-        return cpu.make_linear(weight, route, gb)
+        """The route's GPU Linear for a stored weight; ValueError where our kernels do not take it. The
+        form it reads joins those the kernels feeding Linears emit (gb.Activations)."""
+        linear = cpu.make_linear(weight, route, gb)
+        self.forms |= getattr(linear, "READS", 0)
+        return linear
 
     def concat_outputs(self, linears: list) -> ConcatOutputs:
         return ConcatOutputs(linears)
@@ -316,16 +320,18 @@ class GpuOps:
 
     rms_norm = staticmethod(gb.rms_norm)
 
-    @staticmethod
-    def add_rms_norm(x: cp.ndarray, delta: cp.ndarray | None, weight, eps: float) -> tuple[cp.ndarray, cp.ndarray]:
-        """CpuOps.add_rms_norm: the residual add inside the norm's kernel (one launch, not two)."""
-        return (x, gb.rms_norm(x, weight, eps)) if delta is None else gb.add_rms_norm(x, delta, weight, eps)
+    def add_rms_norm(self, x: cp.ndarray, delta: cp.ndarray | None, weight, eps: float,
+                     for_linears: bool = False) -> tuple[cp.ndarray, cp.ndarray | gb.Activations]:
+        """CpuOps.add_rms_norm: the residual add inside the norm's kernel (one launch, not two); for
+        Linears, the norm also in the forms they read (no conversion launched by each)."""
+        forms = self.forms if for_linears else 0
+        return (x, gb.rms_norm(x, weight, eps, forms)) if delta is None else gb.add_rms_norm(x, delta, weight, eps, forms)
 
     def sigmoid(self, x: cp.ndarray) -> cp.ndarray:
         return 1.0 / (1.0 + cp.exp(-x))
 
     def swiglu(self, gate_up, x: cp.ndarray) -> cp.ndarray:
-        return gb.silu_mul(gate_up(x))  # [T, 2I] (gate | up) -> [T, I]
+        return gb.silu_mul(gate_up(x), self.forms)  # [T, 2I] (gate | up) -> [T, I], for the down projection
 
     def attention(self, layer, qkv: cp.ndarray, cache, rows: Rows, first: int) -> cp.ndarray:
         """Gated attention's core (engine.backend.cpu_ops.CpuOps.attention; `first` is 0, see forward):
@@ -341,7 +347,7 @@ class GpuOps:
         for piece, start, past in rows.slices():
             cache.append(k[piece], v[piece], start)
             parts.append(gb.attend(q[piece], cache, start, past))
-        return gb.attention_gate(_joined(parts), q_and_gate, hd)
+        return gb.attention_gate(_joined(parts), q_and_gate, hd, self.forms)  # for o_proj
 
     def deltanet(self, layer, projected: cp.ndarray, state: gb.DeltaNetState, rows: Rows) -> cp.ndarray:
         """Gated DeltaNet's core (engine.backend.cpu_ops.CpuOps.deltanet), the recurrence row by row
@@ -357,7 +363,8 @@ class GpuOps:
             conv = gb.causal_conv(mixed[piece], layer.conv, state)  # [t, channels] after SiLU: q | k | v
             parts.append(gb.delta_rule_rows(conv, hk, dk, conv[:, 2 * hk * dk:], b[piece], a[piece], layer.decay_rate,
                                             layer.dt_bias, state))
-        return gb.gated_rms_norm(_joined(parts), z, layer.norm, c.rms_norm_eps, sigmoid=c.output_gate != "silu")  # [T, Hv * dv]
+        return gb.gated_rms_norm(_joined(parts), z, layer.norm, c.rms_norm_eps, sigmoid=c.output_gate != "silu",
+                                 forms=self.forms)  # [T, Hv * dv], for out_proj
 
 
     # ---- Flash-Next's steps (engine/flash_next.py; FlashCpuOps there is the reference)
@@ -398,7 +405,7 @@ class GpuOps:
             cache.append_index_keys(index_qk[piece, ix.heads * d:], past, pool)
             selected, counts = gb.qsa_select(index_q[piece], cache.blocks, start, past, ix.ratio, ix.top_blocks)
             parts.append(gb.attend_selected(q[piece], cache.kv, start, selected, counts))
-        return gb.attention_gate(_joined(parts), q_and_gate, hd)
+        return gb.attention_gate(_joined(parts), q_and_gate, hd, self.forms)  # for o_proj
 
 
 def _joined(parts: list) -> cp.ndarray:

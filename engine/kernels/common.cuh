@@ -164,3 +164,24 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 // log(1 + e^x) as numpy's logaddexp(0, x): max + log1p(exp(-|x|)).
 __device__ __forceinline__ float softplus_f(float x) { return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))); }
+
+// ------------------------------------------------------------------ emitted activations ---
+// A Linear's input written by the kernel that makes it, beside its fp32 value, in the forms the
+// op set's Linears read (engine/backend/cupy_backend.py Activations), so no Linear launches a
+// conversion: forms & EMIT_BF16: bf16 bits (the w4a16 route's rounding, f32_to_bf16_bits');
+// forms & EMIT_INT8: int8 codes and a scale per 32 (quantize_int8_blocks', bit for bit). idx is
+// the value's index in the row-major [T, K] output; the 32 lanes of a warp must hold the 32 values
+// of one 32-block (K % 32 == 0 and consecutive indices per warp), all of them active.
+#define EMIT_BF16 1
+#define EMIT_INT8 2
+
+__device__ __forceinline__ void emit_forms(float v, size_t idx, int forms, u16* __restrict__ bf16,
+                                           signed char* __restrict__ q, float* __restrict__ scale) {
+  if (forms & EMIT_BF16) bf16[idx] = f32_to_bf16(v);
+  if (forms & EMIT_INT8) {
+    const float s = warp_max(fabsf(v)) / 127.0f;
+    const float safe = s > 0.0f ? s : 1.0f;  // an all-zero block: scale 0, codes 0
+    q[idx] = (signed char)rintf(v / safe);
+    if (threadIdx.x % WARP == 0) scale[idx / 32] = s;
+  }
+}

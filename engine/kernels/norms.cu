@@ -4,24 +4,32 @@
 
 // y = x / sqrt(mean(x^2) + eps) * w over rows of D (zero-centred norms pass w = 1 + weight). w holds
 // weight_rows rows of D and row r takes w's row r % weight_rows: 1 for one weight, hc for Flash-Next's
-// streams (x [T, hc * H] as rows of H: stream s of every token its own weight row). Launch: grid R, block 256.
+// streams (x [T, hc * H] as rows of H: stream s of every token its own weight row). y also in the
+// emitted forms (common.cuh). Launch: grid R, block 256.
 extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
-                                    int D, int weight_rows, float eps) {
+                                    int D, int weight_rows, float eps,
+                                    u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
   __shared__ float scratch[WARP];
   const float* row = x + (size_t)blockIdx.x * D;
   const float* weight = w + (size_t)(blockIdx.x % weight_rows) * D;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) ss += row[i] * row[i];
   const float denom = sqrtf(block_sum(ss, scratch) / (float)D + eps);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) y[(size_t)blockIdx.x * D + i] = row[i] / denom * weight[i];
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    const float v = row[i] / denom * weight[i];
+    y[(size_t)blockIdx.x * D + i] = v;
+    emit_forms(v, (size_t)blockIdx.x * D + i, forms, y_bf16, y_q, y_scale);
+  }
 }
 
 // A decoder layer's residual add and the norm after it: sum = x + delta (the new residual), y =
-// sum / sqrt(mean(sum^2) + eps) * w, rows of D (w = 1 + weight). One pass instead of an add and a
-// norm: a launch less and the residual read once. Launch: grid R, block 256.
+// sum / sqrt(mean(sum^2) + eps) * w, rows of D (w = 1 + weight), y also in the emitted forms
+// (common.cuh; D % 32 == 0 when forms ask for int8). One pass instead of an add, a norm and the
+// next Linear's conversion: two launches less and the residual read once. Launch: grid R, block 256.
 extern "C" __global__ void add_rms_norm(const float* __restrict__ x, const float* __restrict__ delta,
                                         const float* __restrict__ w, float* __restrict__ sum, float* __restrict__ y,
-                                        int D, float eps) {
+                                        int D, float eps,
+                                        u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
   __shared__ float scratch[WARP];
   const size_t base = (size_t)blockIdx.x * D;
   float ss = 0.0f;
@@ -31,37 +39,48 @@ extern "C" __global__ void add_rms_norm(const float* __restrict__ x, const float
     ss += v * v;
   }
   const float denom = sqrtf(block_sum(ss, scratch) / (float)D + eps);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) y[base + i] = sum[base + i] / denom * w[i];
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    const float v = sum[base + i] / denom * w[i];
+    y[base + i] = v;
+    emit_forms(v, base + i, forms, y_bf16, y_q, y_scale);
+  }
 }
 
 // DeltaNet's gated norm per value head: y = (x / sqrt(mean(x^2) + eps) * w) * gate(z), rows of D, the
 // gate silu (Qwen3.5) or sigmoid (Flash-Next's output_gate_type).
 // z is read in place from the in_proj output: row r (head r % heads of token r / heads) starts at
-// z + (r / heads) * z_row_stride + (r % heads) * D. Launch: grid R (= T * Hv), block 128.
+// z + (r / heads) * z_row_stride + (r % heads) * D. y also in the emitted forms (out_proj's input,
+// common.cuh; D % 32 == 0 when forms ask for int8). Launch: grid R (= T * Hv), block 128.
 template <bool SIGMOID>
 __device__ void gated_rms_norm_rows(const float* __restrict__ x, const float* __restrict__ z,
                                     const float* __restrict__ w, float* __restrict__ y, int D, float eps, int heads,
-                                    long long z_row_stride) {
+                                    long long z_row_stride,
+                                    u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
   __shared__ float scratch[WARP];
   const size_t base = (size_t)blockIdx.x * D;
   const float* gate = z + (size_t)(blockIdx.x / heads) * z_row_stride + (size_t)(blockIdx.x % heads) * D;
   float ss = 0.0f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) ss += x[base + i] * x[base + i];
   const float denom = sqrtf(block_sum(ss, scratch) / (float)D + eps);
-  for (int i = threadIdx.x; i < D; i += blockDim.x)
-    y[base + i] = x[base + i] / denom * w[i] * (SIGMOID ? sigmoid_f(gate[i]) : silu_f(gate[i]));
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    const float v = x[base + i] / denom * w[i] * (SIGMOID ? sigmoid_f(gate[i]) : silu_f(gate[i]));
+    y[base + i] = v;
+    emit_forms(v, base + i, forms, y_bf16, y_q, y_scale);
+  }
 }
 
 extern "C" __global__ void gated_rms_norm(const float* __restrict__ x, const float* __restrict__ z,
                                           const float* __restrict__ w, float* __restrict__ y, int D, float eps,
-                                          int heads, long long z_row_stride) {
-  gated_rms_norm_rows<false>(x, z, w, y, D, eps, heads, z_row_stride);
+                                          int heads, long long z_row_stride,
+                                          u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
+  gated_rms_norm_rows<false>(x, z, w, y, D, eps, heads, z_row_stride, y_bf16, y_q, y_scale, forms);
 }
 
 extern "C" __global__ void gated_rms_norm_sigmoid(const float* __restrict__ x, const float* __restrict__ z,
                                                   const float* __restrict__ w, float* __restrict__ y, int D,
-                                                  float eps, int heads, long long z_row_stride) {
-  gated_rms_norm_rows<true>(x, z, w, y, D, eps, heads, z_row_stride);
+                                                  float eps, int heads, long long z_row_stride,
+                                                  u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
+  gated_rms_norm_rows<true>(x, z, w, y, D, eps, heads, z_row_stride, y_bf16, y_q, y_scale, forms);
 }
 
 // Attention q or k heads: zero-centred RMSNorm over the head (w = 1 + weight), then NeoX RoPE on
@@ -81,21 +100,30 @@ extern "C" __global__ void qk_norm_rope(const float* __restrict__ x, const float
   y[((size_t)t * gridDim.x + h) * D + i] = norm_rope_head(v, w, inv_freq, *start + t, D, rotary_dim, eps, scratch, normed);
 }
 
-// out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]: the SwiGLU of a fused gate|up product.
-extern "C" __global__ void silu_mul(const float* __restrict__ gate_up, float* __restrict__ out, int I, long long n) {
+// out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]: the SwiGLU of a fused gate|up product, also
+// in the emitted forms (the down projection's input, common.cuh; n % 32 == 0, I % 32 == 0 when forms
+// ask for int8: whole warps leave together).
+extern "C" __global__ void silu_mul(const float* __restrict__ gate_up, float* __restrict__ out, int I, long long n,
+                                    u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= n) return;
   const long long t = idx / I, i = idx % I;
-  out[idx] = silu_f(gate_up[t * 2 * I + i]) * gate_up[t * 2 * I + I + i];
+  const float v = silu_f(gate_up[t * 2 * I + i]) * gate_up[t * 2 * I + I + i];
+  out[idx] = v;
+  emit_forms(v, idx, forms, y_bf16, y_q, y_scale);
 }
 
 // Gated attention output: out[t, h, i] = attn[t, h, i] * sigmoid(gate), the gate being the second
 // half of query head h's [query | gate], read in place from the stacked projection's rows
 // (q_and_gate + t * row_stride + h * 2D).
+// Also in the emitted forms (o_proj's input, common.cuh; heads * D % 32 == 0 when forms ask for int8).
 extern "C" __global__ void attention_gate(const float* __restrict__ attn, const float* __restrict__ q_and_gate,
-                                          float* __restrict__ out, int D, int heads, long long row_stride, long long n) {
+                                          float* __restrict__ out, int D, int heads, long long row_stride, long long n,
+                                          u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= n) return;
   const long long t = idx / ((long long)heads * D), h = idx / D % heads, i = idx % D;
-  out[idx] = attn[idx] * sigmoid_f(q_and_gate[t * row_stride + h * 2 * D + D + i]);
+  const float v = attn[idx] * sigmoid_f(q_and_gate[t * row_stride + h * 2 * D + D + i]);
+  out[idx] = v;
+  emit_forms(v, idx, forms, y_bf16, y_q, y_scale);
 }

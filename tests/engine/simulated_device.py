@@ -702,20 +702,39 @@ def rms_norm(grid, block, a):
     x, w, y = take(a.x, R, D), take(a.w, k, D), take(a.y, R, D)
     for s in range(k):
         y[s::k] = cpu_ops.rms_norm(x[s::k], w[s], a.eps)
+    emit_forms(a, y.ravel())
+
+
+def emit_forms(a, values: np.ndarray) -> None:
+    """common.cuh's emit_forms beside a kernel's fp32 output `values` (flat, as written from index 0):
+    bf16 bits as f32_to_bf16_bits, int8 codes and a scale per 32 as quantize_int8_blocks."""
+    forms, n = int(a.forms), values.size
+    if forms & 1:
+        a.y_bf16[:n] = f32_to_bf16_bits(values)
+    if forms & 2:
+        if n % 32:
+            raise ValueError("an int8 emission needs whole 32-blocks")
+        q, scale = quantize_int8_blocks(values.reshape(-1, 32))
+        a.y_q[:n] = q.ravel()
+        a.y_scale[: n // 32] = scale.ravel()
 
 
 def add_rms_norm(grid, block, a):
     R, D = grid[0], int(a.D)  # a block per row
     total = take(a.x, R, D) + take(a.delta, R, D)
     take(a.sum, R, D)[...] = total
-    take(a.y, R, D)[...] = cpu_ops.rms_norm(total, take(a.w, D), a.eps)
+    y = take(a.y, R, D)
+    y[...] = cpu_ops.rms_norm(total, take(a.w, D), a.eps)
+    emit_forms(a, y.ravel())
 
 
 def gated_rms_norm(gate):
     def run(grid, block, a):
         R, D, heads = grid[0], int(a.D), int(a.heads)
         z = take_rows(a.z, R // heads, heads * D, int(a.z_row_stride)).reshape(R, D)  # the gate rows of each token
-        take(a.y, R, D)[...] = cpu_ops.rms_norm(take(a.x, R, D), take(a.w, D), a.eps) * gate(z)
+        y = take(a.y, R, D)
+        y[...] = cpu_ops.rms_norm(take(a.x, R, D), take(a.w, D), a.eps) * gate(z)
+        emit_forms(a, y.ravel())
 
     return run
 
@@ -737,6 +756,7 @@ def silu_mul(grid, block, a):
     n = min(size, threads(grid, block))
     gate_up = take(a.gate_up, size // inner, 2 * inner)
     a.out[:n] = (cpu_ops.silu(gate_up[:, :inner]) * gate_up[:, inner:]).ravel()[:n]
+    emit_forms(a, a.out[:n])
 
 
 def attention_gate(grid, block, a):
@@ -745,6 +765,7 @@ def attention_gate(grid, block, a):
     rows = take_rows(a.q_and_gate, size // (heads * D), heads * 2 * D, int(a.row_stride))
     gate = rows.reshape(-1, 2 * D)[:, D:]  # the second half of each head's [query | gate]
     a.out[:n] = (take(a.attn, size // D, D) * cpu_ops.sigmoid(gate)).ravel()[:n]
+    emit_forms(a, a.out[:n])
 
 
 # attention: a source of rows for a query row ending at `end` is (lo, hi, rows(i) -> keys, values [kv, n, HD])

@@ -49,18 +49,23 @@ def rms_norm_args(cp, rows: int = 2):
     return x, cp.asarray(np.ones(64, np.float32)), cp.empty((rows, 64), cp.float32)
 
 
+def no_forms(cp) -> tuple:
+    """The emit arguments of a kernel asked for no forms beside its fp32 output (common.cuh's emit_forms)."""
+    return cp.empty(1, cp.uint16), cp.empty(1, cp.int8), cp.empty(1, cp.float32), np.int32(0)
+
+
 def test_a_launch_is_checked_against_the_kernels_source(cp):
     rms_norm = build.kernel("norms", "rms_norm")
     x, w, y = rms_norm_args(cp)
     one = np.int32(1)  # weight rows
-    rms_norm((2,), (256,), (x, w, y, np.int32(64), one, np.float32(1e-6)))
+    rms_norm((2,), (256,), (x, w, y, np.int32(64), one, np.float32(1e-6), *no_forms(cp)))
     want = x.get() / np.sqrt((x.get() ** 2).mean(axis=1, keepdims=True) + 1e-6)
     np.testing.assert_allclose(y.get(), want, rtol=1e-6)
-    wrong = {"D is a C int; pass numpy.int32, not int": (x, w, y, 64, one, np.float32(1e-6)),  # CuPy would pass 8 bytes
-             "eps is a C float; pass numpy.float32, not float": (x, w, y, np.int32(64), one, 1e-6),
-             r"x is a float\*, got ndarray": (x.get(), w, y, np.int32(64), one, np.float32(1e-6)),
-             r"w is a float\*, got a uint16 device array": (x, w.astype(cp.uint16), y, np.int32(64), one, np.float32(1e-6)),
-             "takes 6 arguments, got 5": (x, w, y, np.int32(64), one)}
+    wrong = {"D is a C int; pass numpy.int32, not int": (x, w, y, 64, one, np.float32(1e-6), *no_forms(cp)),  # CuPy would pass 8 bytes
+             "eps is a C float; pass numpy.float32, not float": (x, w, y, np.int32(64), one, 1e-6, *no_forms(cp)),
+             r"x is a float\*, got ndarray": (x.get(), w, y, np.int32(64), one, np.float32(1e-6), *no_forms(cp)),
+             r"w is a float\*, got a uint16 device array": (x, w.astype(cp.uint16), y, np.int32(64), one, np.float32(1e-6), *no_forms(cp)),
+             "takes 10 arguments, got 5": (x, w, y, np.int32(64), one)}
     for message, args in wrong.items():
         with pytest.raises(TypeError, match=message):
             rms_norm((2,), (256,), args)
@@ -68,15 +73,16 @@ def test_a_launch_is_checked_against_the_kernels_source(cp):
 
 def test_a_kernel_computes_only_what_its_grid_covers(cp):
     x, w, y = rms_norm_args(cp)
-    build.kernel("norms", "rms_norm")((1,), (256,), (x, w, y, np.int32(64), np.int32(1), np.float32(1e-6)))  # one block: row 0
+    build.kernel("norms", "rms_norm")((1,), (256,), (x, w, y, np.int32(64), np.int32(1), np.float32(1e-6), *no_forms(cp)))  # one block: row 0
     assert np.all(np.isfinite(y.get()[0])) and np.all(np.isnan(y.get()[1]))  # row 1 is still uninitialised memory
 
 
 def test_a_capture_records_and_each_replay_reads_the_buffers_as_they_are(cp):
     gate_up, out = cp.asarray(np.array([[1, 2, 3, 4]], np.float32)), cp.zeros((1, 2), cp.float32)
 
+
     def silu_mul():  # [1, 4] (gate | up) -> out [1, 2]
-        build.kernel("norms", "silu_mul")((1,), (256,), (gate_up, out, np.int32(2), np.int64(2)))
+        build.kernel("norms", "silu_mul")((1,), (256,), (gate_up, out, np.int32(2), np.int64(2), *no_forms(cp)))
 
     def want(values):
         gate, up = np.float32(values[:2]), np.float32(values[2:])

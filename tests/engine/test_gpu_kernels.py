@@ -304,6 +304,46 @@ def test_norms_gates_and_rope_match_cpu(cp):
     np.testing.assert_allclose(host(gb.silu_mul(gate_up)), silu(gate_up[:, :1024]) * gate_up[:, 1024:], rtol=1e-5, atol=1e-7)
 
 
+def test_the_kernels_feeding_linears_emit_their_inputs_bit_for_bit(cp):
+    """Each kernel whose output only Linears read (a layer's norms, SwiGLU, DeltaNet's gated norm,
+    attention's gate) writes, beside its fp32 rows, the bf16 bits and int8 codes and
+    scales that f32_to_bf16_bits and quantize_int8_blocks make of them; the W4 Linears read those
+    and give the bits they give from the fp32 rows (no conversion launched)."""
+    rng = np.random.default_rng(9)
+    T, hd, heads = 3, 64, 4
+    both = gb.EMIT_BF16 | gb.EMIT_INT8
+    x, delta = (cp.asarray(rng.standard_normal((T, 256)).astype(np.float32)) for _ in range(2))
+    w = cp.asarray(1 + rng.standard_normal(256).astype(np.float32) * 0.1)
+    zeros = cp.zeros((T, 256), cp.float32)  # an all-zero block (scale 0, codes 0) in every row
+    q_and_gate = in_wider_rows(rng.standard_normal((T, heads * 2 * hd)).astype(np.float32), cp)
+    o = rng.standard_normal((T, heads, hd)).astype(np.float32)
+    z = rng.standard_normal((T, heads * hd)).astype(np.float32)
+    gate_up = rng.standard_normal((T, 2 * 256)).astype(np.float32)
+    produced = {"rms_norm": lambda forms: gb.rms_norm(x, w, 1e-6, forms),
+                "add_rms_norm": lambda forms: gb.add_rms_norm(x, delta, w, 1e-6, forms)[1],
+                "add_rms_norm of zeros": lambda forms: gb.add_rms_norm(zeros, zeros, w, 1e-6, forms)[1],
+                "silu_mul": lambda forms: gb.silu_mul(gate_up, forms),
+                "gated_rms_norm": lambda forms: gb.gated_rms_norm(o, z, w[:hd], 1e-6, forms=forms),
+                "attention_gate": lambda forms: gb.attention_gate(o.reshape(T, -1), q_and_gate, hd, forms)}
+    linears = [gb.W4A16Linear(random_w4(32, 256, seed=1)), gb.W4A8Linear(random_w4(32, 256, seed=2))]
+    for name, produce in produced.items():
+        plain, emitted = produce(0), produce(both)
+        assert isinstance(emitted, gb.Activations) and not isinstance(plain, gb.Activations), name
+        values = host(plain)
+        assert np.array_equal(host(emitted.f32), values), name
+        assert np.array_equal(host(emitted.bf16), f32_to_bf16_bits(values)), name
+        want_q, want_scale = quantize_int8_blocks(values)
+        assert np.array_equal(host(emitted.q).reshape(want_q.shape), want_q.astype(np.int8)), name
+        assert np.array_equal(host(emitted.scale), want_scale), name
+        for linear in linears:
+            if linear.K == values.shape[1]:
+                assert np.array_equal(host(linear(emitted)), host(linear(plain))), name
+                assert np.array_equal(host(linear(emitted[1:])), host(linear(plain[1:]))), name  # rows slice every form
+    # int8 needs whole 32-blocks: a 48-wide output emits bf16 only
+    odd = gb.silu_mul(rng.standard_normal((T, 96)).astype(np.float32), both)
+    assert odd.q is None and odd.bf16 is not None
+
+
 # ------------------------------------------------------------------- Flash-Next ---
 # engine/flash_next.FlashCpuOps is the reference of each step.
 
