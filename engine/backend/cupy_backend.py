@@ -34,9 +34,11 @@ def _f32(v) -> np.float32:
 
 
 def device_f32(x) -> cp.ndarray:
-    """x as contiguous fp32 on the device (an Activations' fp32 rows)."""
+    """x as contiguous fp32 on the device (an Activations' fp32 rows, Columns joined)."""
     if isinstance(x, Activations):
         x = x.f32
+    elif isinstance(x, Columns):
+        x = x.joined()
     return cp.ascontiguousarray(cp.asarray(x, dtype=cp.float32))
 
 
@@ -60,6 +62,35 @@ class Activations:
 
     def __getitem__(self, rows) -> Activations:
         return Activations(*(None if a is None else a[rows] for a in (self.f32, self.bf16, self.q, self.scale)))
+
+
+class Columns:
+    """The outputs [T, N_i] of Linears stacked by rows (cupy_model.ConcatOutputs), side by side as
+    one [T, sum N_i] whose columns are never copied together for a range that lies in one part:
+    indexing [rows, start:stop] there is a view of that part's output. The kernels read such
+    ranges in place (DeltaNet's q | k | v, z, b and a; attention's q, k and v), so a pass over a
+    checkpoint whose projections mix storage forms (W4 beside 16-bit in_proj_a/b) joins nothing;
+    anything else reads them joined."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.starts = np.cumsum([0] + [p.shape[1] for p in parts])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.parts[0].shape[0], int(self.starts[-1])
+
+    def __getitem__(self, key):
+        rows, columns = key if isinstance(key, tuple) else (key, slice(None))
+        if isinstance(columns, slice) and columns.step in (None, 1):
+            start, stop, _ = columns.indices(self.shape[1])
+            for part, lo, hi in zip(self.parts, self.starts, self.starts[1:]):
+                if lo <= start and stop <= hi:
+                    return part[rows, start - lo : stop - lo]
+        return self.joined()[key]
+
+    def joined(self) -> cp.ndarray:
+        return cp.concatenate(self.parts, axis=-1)
 
 
 def _emitted(y: cp.ndarray, forms: int) -> tuple[tuple, Activations | cp.ndarray]:

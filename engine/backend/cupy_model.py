@@ -64,10 +64,11 @@ def _dev(a) -> cp.ndarray:
 # ------------------------------------------------------------------------------ weights ---
 
 class ConcatOutputs(cpu.ConcatOutputs):
-    """engine.backend.cpu.ConcatOutputs over GPU Linears: the outputs join on the device."""
+    """engine.backend.cpu.ConcatOutputs over GPU Linears: the outputs side by side as gb.Columns,
+    joined on the device only where a reader needs them whole."""
 
-    def __call__(self, x) -> cp.ndarray:
-        return cp.concatenate([p(x) for p in self.parts], axis=-1)
+    def __call__(self, x) -> gb.Columns:
+        return gb.Columns([p(x) for p in self.parts])
 
 
 class OnHost:
@@ -89,7 +90,7 @@ class GpuShortlistHead:
         self.linear, self.ids, self.vocab = linear, cp.asarray(ids), vocab
 
     def __call__(self, hidden) -> cp.ndarray:
-        scores = self.linear(hidden)
+        scores = gb.device_f32(self.linear(hidden))
         logits = cp.full((scores.shape[0], self.vocab), -np.inf, cp.float32)
         logits[:, self.ids] = scores
         return logits

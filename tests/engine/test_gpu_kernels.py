@@ -304,6 +304,26 @@ def test_norms_gates_and_rope_match_cpu(cp):
     np.testing.assert_allclose(host(gb.silu_mul(gate_up)), silu(gate_up[:, :1024]) * gate_up[:, 1024:], rtol=1e-5, atol=1e-7)
 
 
+def test_stacked_linears_of_two_forms_give_columns_that_read_in_place(cp):
+    """A ConcatOutputs of a W4 Linear and a dense one (a W4 checkpoint's in_proj with its 16-bit b|a
+    rows): its Columns hold the CPU's stacked output; a range inside one part is that part's own
+    columns, any range (negative, or across the parts) reads what the joined rows hold."""
+    from duet.engine.backend.cupy_model import ConcatOutputs
+
+    rng = np.random.default_rng(3)
+    w4, dense = random_w4(64, 256, seed=4), rng.standard_normal((8, 256)).astype(np.float32)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    columns = ConcatOutputs([gb.W4A8Linear(w4), gb.DenseLinear(dense)])(cp.asarray(x))
+    want = cpu.ConcatOutputs([cpu.W4A8Linear(w4), cpu.DenseLinear(dense)])(x)
+    joined = host(gb.device_f32(columns))
+    assert columns.shape == want.shape == joined.shape
+    assert_sum_close(joined, want, np.abs(x) @ np.abs(np.concatenate([w4.dequantize(), dense])).T)
+    assert np.array_equal(host(columns[:, 10:20]), host(columns.parts[0][:, 10:20]))
+    for key in [(slice(None), slice(-8, -4)), (slice(None), slice(-4, None)), (slice(1, None), slice(0, 64)),
+                (slice(None), slice(60, 68)), slice(1, 2)]:
+        assert np.array_equal(host(columns[key]), joined[key]), key
+
+
 def test_the_kernels_feeding_linears_emit_their_inputs_bit_for_bit(cp):
     """Each kernel whose output only Linears read (a layer's norms, SwiGLU, DeltaNet's gated norm,
     attention's gate) writes, beside its fp32 rows, the bf16 bits and int8 codes and

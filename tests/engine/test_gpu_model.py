@@ -211,9 +211,9 @@ def test_forcing_the_gpu_without_one_is_one_line(tiny_model, monkeypatch):
 # routes before it: a copy per Linear, per-slice output buffers and copies of the projection's
 # column ranges; 169 before the residual adds went into the norms, 153 before DeltaNet's kernel
 # normalised its own q and k, 141 before q | k | v became one product read in place, 133 before the
-# kernels feeding Linears wrote their bf16 or int8 forms). The target is 8 a layer; a change that
-# adds launches fails here.
-LAUNCH_BUDGET = {("demo_int4", "w4a16"): 101, ("demo_int4", "w4a8"): 101, ("demo", "bf16"): 89}
+# kernels feeding Linears wrote their bf16 or int8 forms, 101 before stacked outputs of two storage
+# forms stayed side by side). The target is 8 a layer; a change that adds launches fails here.
+LAUNCH_BUDGET = {("demo_int4", "w4a16"): 95, ("demo_int4", "w4a8"): 95, ("demo", "bf16"): 89}
 
 
 @pytest.mark.parametrize("fmt,route", LAUNCH_BUDGET)
