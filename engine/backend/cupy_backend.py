@@ -354,17 +354,26 @@ def _rows(x) -> tuple[cp.ndarray, int]:
 
 
 def qk_norm_rope(x, weight, inv_freq, start: cp.ndarray, heads: int, head_dim: int, head_stride: int,
-                 rotary_dim: int, eps: float) -> cp.ndarray:
-    """Attention q or k: per head zero-centred RMSNorm then partial NeoX RoPE at positions
-    start[0] + t. x [T, C] holds head h at columns h * head_stride .. + head_dim (rows may be wider:
-    the stacked projection's columns, read in place)."""
+                 rotary_dim: int, eps: float, keys=None, key_weight=None):
+    """Attention queries (or any heads): per head zero-centred RMSNorm then partial NeoX RoPE at
+    positions start[0] + t. x [T, C] holds head h at columns h * head_stride .. + head_dim; returns
+    [T, heads, head_dim]. With keys [T, kv * head_dim] and key_weight, the keys' heads too in the same
+    launch: returns (queries, keys [T, kv, head_dim]). Rows may be wider: the stacked projection's
+    columns, read in place."""
     x, row_stride = _rows(x)
     T = x.shape[0]
     y = cp.empty((T, heads, head_dim), cp.float32)
-    kernel("norms", "qk_norm_rope")((heads, T), (head_dim,),
-                                    (x, device_f32(weight), device_f32(inv_freq), start, y, _i32(head_dim),
-                                     _i64(row_stride), _i32(head_stride), _i32(rotary_dim), _f32(eps)))
-    return y
+    if keys is None:
+        k, k_stride, k_weight, kv, yk = x, row_stride, weight, 0, y  # no key blocks: never read or written
+    else:
+        (k, k_stride), k_weight = _rows(keys), key_weight
+        kv = k.shape[1] // head_dim
+        yk = cp.empty((T, kv, head_dim), cp.float32)
+    kernel("norms", "qk_norm_rope")((heads + kv, T), (head_dim,),
+                                    (x, k, device_f32(weight), device_f32(k_weight), device_f32(inv_freq), start, y, yk,
+                                     _i32(head_dim), _i64(row_stride), _i64(k_stride), _i32(heads), _i32(head_stride),
+                                     _i32(rotary_dim), _f32(eps)))
+    return y if keys is None else (y, yk)
 
 
 def silu_mul(gate_up, forms: int = 0) -> cp.ndarray | Activations:

@@ -342,8 +342,8 @@ class GpuOps:
         heads, kv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         assert first == 0, "GpuOps.forward runs every row"
         q_and_gate, k, v = layer.split(qkv)
-        q = gb.qk_norm_rope(q_and_gate, layer.q_norm, self.inv_freq, rows.rope_start, heads, hd, 2 * hd, c.rotary_dim, eps)
-        k = gb.qk_norm_rope(k, layer.k_norm, self.inv_freq, rows.rope_start, kv, hd, hd, c.rotary_dim, eps)
+        q, k = gb.qk_norm_rope(q_and_gate, layer.q_norm, self.inv_freq, rows.rope_start, heads, hd, 2 * hd, c.rotary_dim,
+                               eps, keys=k, key_weight=layer.k_norm)
         parts = []
         for piece, start, past in rows.slices():
             cache.append(k[piece], v[piece], start)
@@ -393,8 +393,8 @@ class GpuOps:
         d = ix.q_norm.shape[0]
         assert first == 0, "GpuOps.forward runs every row"
         q_and_gate, k, v = a.split(qkv)
-        q = gb.qk_norm_rope(q_and_gate, a.q_norm, self.inv_freq, rows.rope_start, heads, hd, 2 * hd, c.rotary_dim, eps)
-        k = gb.qk_norm_rope(k, a.k_norm, self.inv_freq, rows.rope_start, kv, hd, hd, c.rotary_dim, eps)
+        q, k = gb.qk_norm_rope(q_and_gate, a.q_norm, self.inv_freq, rows.rope_start, heads, hd, 2 * hd, c.rotary_dim, eps,
+                               keys=k, key_weight=a.k_norm)
         index_q = gb.qk_norm_rope(index_qk, ix.q_norm, self.inv_freq, rows.rope_start, ix.heads, d, d, c.rotary_dim, eps)
 
         def pool(first_block: int, n: int) -> None:

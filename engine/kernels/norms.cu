@@ -83,21 +83,29 @@ extern "C" __global__ void gated_rms_norm_sigmoid(const float* __restrict__ x, c
   gated_rms_norm_rows<true>(x, z, w, y, D, eps, heads, z_row_stride, y_bf16, y_q, y_scale, forms);
 }
 
-// Attention q or k heads: zero-centred RMSNorm over the head (w = 1 + weight), then NeoX RoPE on
+// Attention q and k heads: zero-centred RMSNorm over the head (w = 1 + weight), then NeoX RoPE on
 // the first rotary_dim dims, pairs (i, i + rotary_dim / 2), angle = position * inv_freq[i] in fp32
 // (inv_freq as the CPU's rope_tables computes it, uploaded once). The position of row t is
 // *start + t, read on the device so a captured graph replays at any position.
-// x row t, head h at x + t * row_stride + h * head_stride (q_proj packs [query | gate] per head).
-// Output compact [T, heads, D]. Launch: grid (heads, T), block D (64 .. 256).
-extern "C" __global__ void qk_norm_rope(const float* __restrict__ x, const float* __restrict__ w,
+// Blocks h < q_heads take query head h of row t at xq + t * q_row_stride + h * q_head_stride
+// (q_proj packs [query | gate] per head) with wq into yq [T, q_heads, D]; the rest key head
+// j = h - q_heads at xk + t * k_row_stride + j * D with wk into yk [T, k_heads, D]: both sets in one
+// launch (k_heads 0: queries only). Launch: grid (q_heads + k_heads, T), block D (64 .. 256).
+extern "C" __global__ void qk_norm_rope(const float* __restrict__ xq, const float* __restrict__ xk,
+                                        const float* __restrict__ wq, const float* __restrict__ wk,
                                         const float* __restrict__ inv_freq, const int* __restrict__ start,
-                                        float* __restrict__ y, int D, long long row_stride, int head_stride,
-                                        int rotary_dim, float eps) {
+                                        float* __restrict__ yq, float* __restrict__ yk, int D, long long q_row_stride,
+                                        long long k_row_stride, int q_heads, int q_head_stride, int rotary_dim,
+                                        float eps) {
   __shared__ float scratch[WARP];
   __shared__ float normed[256];
   const int h = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
-  const float v = x[(size_t)t * row_stride + (size_t)h * head_stride + i];
-  y[((size_t)t * gridDim.x + h) * D + i] = norm_rope_head(v, w, inv_freq, *start + t, D, rotary_dim, eps, scratch, normed);
+  const bool query = h < q_heads;
+  const int head = query ? h : h - q_heads, heads = query ? q_heads : gridDim.x - q_heads;
+  const float v = query ? xq[(size_t)t * q_row_stride + (size_t)head * q_head_stride + i]
+                        : xk[(size_t)t * k_row_stride + (size_t)head * D + i];
+  (query ? yq : yk)[((size_t)t * heads + head) * D + i] =
+      norm_rope_head(v, query ? wq : wk, inv_freq, *start + t, D, rotary_dim, eps, scratch, normed);
 }
 
 // out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]: the SwiGLU of a fused gate|up product, also

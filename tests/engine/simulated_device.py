@@ -740,15 +740,19 @@ def gated_rms_norm(gate):
 
 
 def qk_norm_rope(grid, block, a):
-    heads, T, D = grid[0], grid[1], int(a.D)
+    blocks, T, D, heads = grid[0], grid[1], int(a.D), int(a.q_heads)
     if block[0] != D:
         raise ValueError("qk_norm_rope: a thread per element of the head")
-    t, h = np.arange(T)[:, None], np.arange(heads)[None, :]
-    x = a.x[(t * int(a.row_stride) + h * int(a.head_stride))[..., None] + np.arange(D)]  # [T, heads, D]
-    normed = cpu_ops.rms_norm(x, take(a.w, D), a.eps)
     rotary = int(a.rotary_dim)
     angles = (a.start[0] + np.arange(T))[:, None].astype(np.float32) * take(a.inv_freq, rotary // 2)[None, :]
-    take(a.y, T, heads, D)[...] = cpu_ops.apply_rope(normed, np.cos(angles), np.sin(angles))
+    for x, w, y, first, count, row_stride, head_stride in ((a.xq, a.wq, a.yq, 0, min(heads, blocks), a.q_row_stride, a.q_head_stride),
+                                                          (a.xk, a.wk, a.yk, heads, blocks - heads, a.k_row_stride, D)):
+        if count <= 0:
+            continue
+        t, h = np.arange(T)[:, None], np.arange(count)[None, :]
+        heads_in = x[(t * int(row_stride) + h * int(head_stride))[..., None] + np.arange(D)]  # [T, count, D]
+        normed = cpu_ops.rms_norm(heads_in, take(w, D), a.eps)
+        take(y, T, count, D)[...] = cpu_ops.apply_rope(normed, np.cos(angles), np.sin(angles))
 
 
 def silu_mul(grid, block, a):

@@ -293,6 +293,12 @@ def test_norms_gates_and_rope_match_cpu(cp):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(host(gb.qk_norm_rope(in_wider_rows(q_and_gate, cp), norm_w, inv_freq, cp.asarray([past], cp.int32),
                                                        heads, hd, 2 * hd, rotary, eps)), got)
+    keys = rng.standard_normal((T, 2 * hd)).astype(np.float32)  # two key heads, normed and rotated in the same launch
+    key_w = 1 + rng.standard_normal(hd).astype(np.float32) * 0.1
+    q_too, k = (host(a) for a in gb.qk_norm_rope(in_wider_rows(q_and_gate, cp), norm_w, inv_freq, cp.asarray([past], cp.int32),
+                                                 heads, hd, 2 * hd, rotary, eps, keys=in_wider_rows(keys, cp), key_weight=key_w))
+    np.testing.assert_array_equal(q_too, got)
+    np.testing.assert_allclose(k, apply_rope(rms_norm(keys.reshape(T, 2, hd), key_w, eps), cos, sin), rtol=1e-5, atol=1e-5)
 
     attn = rng.standard_normal((T, heads * hd)).astype(np.float32)
     gate = q_and_gate.reshape(T, heads, 2 * hd)[..., hd:].reshape(T, heads * hd)
