@@ -172,7 +172,8 @@ class W4A16Linear(RowSlicedLinear):
     """`w4a16`: bf16 activations, W4 weights decoded in registers, mma.sync bf16, fp32 per group.
 
     Grid: one block per 16 output rows; when that leaves the GPU short of blocks, the 128-groups
-    are split over blockIdx.y into partial outputs summed in a fixed order (reduce_splits).
+    are split over blockIdx.y into partial outputs, which each tile's last split sums in a fixed
+    order (`arrivals` counts a tile's finished splits; the kernel leaves it at 0).
     """
 
     route = "w4a16"
@@ -187,18 +188,16 @@ class W4A16Linear(RowSlicedLinear):
         self.N, self.K = N, K
         groups, tiles = K // GROUP, N // 16
         self.splits = max(1, min(groups // 8, _blocks(4 * _sm_count(), tiles)))
+        self.arrivals = cp.zeros(tiles if self.splits > 1 else 1, cp.int32)
 
     def run_rows(self, x: cp.ndarray | Activations) -> cp.ndarray:
         T = x.shape[0]
         xb = x.bf16 if isinstance(x, Activations) and x.bf16 is not None else to_bf16_bits(device_f32(x))
-        partial = cp.empty((self.splits, T, self.N), cp.float32)
+        out = cp.empty((T, self.N), cp.float32)
+        partial = cp.empty((self.splits, T, self.N), cp.float32) if self.splits > 1 else out  # one split: unread
         name = "w4a16_gemm_t8" if T <= 8 else "w4a16_gemm_t16"
         kernel("w4a16", name)((self.N // 16, self.splits), (256,),
-                              (self.packed, self.scales, xb, partial, _i32(self.N), _i32(self.K), _i32(T)))
-        if self.splits == 1:
-            return partial[0]
-        out = cp.empty((T, self.N), cp.float32)
-        kernel("w4a16", "reduce_splits")((_blocks(out.size, 256),), (256,), (partial, out, _i32(self.splits), _i64(out.size)))
+                              (self.packed, self.scales, xb, partial, out, self.arrivals, _i32(self.N), _i32(self.K), _i32(T)))
         return out
 
 

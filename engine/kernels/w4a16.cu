@@ -12,8 +12,9 @@
 //
 // A block owns one 16-row tile; its WARPS warps split the tile's 128-groups (warp w takes groups
 // w, w + WARPS, ...), and blockIdx.y splits them further across blocks when N is too small to
-// fill the GPU (each split writes its own partial output, summed by reduce_splits, so the result
-// does not depend on scheduling).
+// fill the GPU: each split writes its own partial output, and the tile's last split to finish
+// (an arrival count per tile) sums them in split order into the output, so the result does not
+// depend on scheduling and no second kernel runs.
 #include "common.cuh"
 
 #define W4_WARPS 8
@@ -90,7 +91,8 @@ __device__ __forceinline__ void group_mma(float (*acc)[4], const GroupWords& w, 
 
 template <int TILES>
 __device__ void w4a16_gemm(const u32* __restrict__ packed, const u16* __restrict__ scales,
-                           const u16* __restrict__ x, float* __restrict__ out, int N, int K, int T) {
+                           const u16* __restrict__ x, float* __restrict__ partial, float* __restrict__ out,
+                           int* __restrict__ arrivals, int N, int K, int T) {
   __shared__ float red[W4_WARPS][16][16];  // per warp: [tile row][token]
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int gid = lane / 4, tig = lane % 4;
@@ -125,7 +127,8 @@ __device__ void w4a16_gemm(const u32* __restrict__ packed, const u16* __restrict
     }
   }
 
-  // Sum the warps' partial sums in a fixed order (deterministic) and write [T, N].
+  // Sum the warps' partial sums in a fixed order (deterministic) and write [T, N]: the output itself
+  // when one split covers every group, else this split's partial.
 #pragma unroll
   for (int n = 0; n < TILES; ++n) {
     red[warp][gid][8 * n + 2 * tig] = acc[n][0];
@@ -134,35 +137,47 @@ __device__ void w4a16_gemm(const u32* __restrict__ packed, const u16* __restrict
     red[warp][gid + 8][8 * n + 2 * tig + 1] = acc[n][3];
   }
   __syncthreads();
+  const int splits = gridDim.y;
   const int r = threadIdx.x / 16, t = threadIdx.x % 16;  // 256 threads = 16 rows x 16 tokens
-  if (t < T && t < 8 * TILES) {
+  const bool mine = t < T && t < 8 * TILES;
+  const size_t at = (size_t)t * N + row0 + r;
+  if (mine) {
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < W4_WARPS; ++w) sum += red[w][r][t];
-    out[(size_t)blockIdx.y * T * N + (size_t)t * N + row0 + r] = sum;
+    (splits == 1 ? out : partial + (size_t)blockIdx.y * T * N)[at] = sum;
   }
+  if (splits == 1) return;
+  // The tile's last split sums the partials in split order: its writes reach device scope before
+  // its arrival counts (threadfence), and the last arrival reads them past L1 (ld.global.cg); it
+  // then sets the count back to 0 for the next launch (a captured graph replays the same counts).
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(arrivals + blockIdx.x, 1) == splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (mine) {
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) sum += __ldcg(partial + (size_t)s * T * N + at);
+    out[at] = sum;
+  }
+  if (threadIdx.x == 0) arrivals[blockIdx.x] = 0;
 }
 
 // One n8 tile (T <= 8) or two (T <= 16). Launch: grid (N / 16, splits), block 256; N % 16 == 0,
-// K % 128 == 0; out holds splits x [T, N] partial outputs.
+// K % 128 == 0; with splits > 1, partial holds splits x [T, N] and arrivals N / 16 counts, 0 at launch.
 extern "C" __global__ void __launch_bounds__(256) w4a16_gemm_t8(const u32* packed, const u16* scales, const u16* x,
-                                                                float* out, int N, int K, int T) {
-  w4a16_gemm<1>(packed, scales, x, out, N, K, T);
+                                                                float* partial, float* out, int* arrivals, int N,
+                                                                int K, int T) {
+  w4a16_gemm<1>(packed, scales, x, partial, out, arrivals, N, K, T);
 }
 
 extern "C" __global__ void __launch_bounds__(256) w4a16_gemm_t16(const u32* packed, const u16* scales, const u16* x,
-                                                                 float* out, int N, int K, int T) {
-  w4a16_gemm<2>(packed, scales, x, out, N, K, T);
-}
-
-// out[i] = sum over s of partial[s, i] (in order s = 0, 1, ...): the split-K partial outputs.
-extern "C" __global__ void reduce_splits(const float* __restrict__ partial, float* __restrict__ out, int splits,
-                                         long long n) {
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  float sum = 0.0f;
-  for (int s = 0; s < splits; ++s) sum += partial[s * n + i];
-  out[i] = sum;
+                                                                 float* partial, float* out, int* arrivals, int N,
+                                                                 int K, int T) {
+  w4a16_gemm<2>(packed, scales, x, partial, out, arrivals, N, K, T);
 }
 
 // fp32 -> bf16 bits, round to nearest even: the w4a16 route's activation rounding.

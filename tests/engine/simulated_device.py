@@ -579,8 +579,10 @@ def threads(grid: tuple, block: tuple) -> int:
 
 
 def w4a16_gemm(tiles: int):
-    """w4a16_gemm_t8 (one n8 tile) / t16: partial outputs [splits, T, N], split y summing the groups
-    its warps take (warp w: groups 8y + w, then every 8 * splits)."""
+    """w4a16_gemm_t8 (one n8 tile) / t16: split y sums the groups its warps take (warp w: groups
+    8y + w, then every 8 * splits) into its partial output [T, N] (the output itself with one
+    split); each tile's last split then sums the partials in split order into the output and sets
+    its arrival count back to 0."""
     warps = constant("w4a16", "W4_WARPS")
 
     def run(grid, block, a):
@@ -588,23 +590,23 @@ def w4a16_gemm(tiles: int):
         rows, splits, tokens, G = min(N, 16 * grid[0]), grid[1], min(T, 8 * tiles), K // 128
         packed, scales = take(a.packed, N, K // 8)[:rows], take(a.scales, N, G)[:rows]
         x = bf16_to_f32(take(a.x, T, K)[:tokens])
-        out = take(a.out, splits, T, N)
+        out = take(a.out, T, N)
+        partial = out[None] if splits == 1 else take(a.partial, splits, T, N)
         split_of_group = (np.arange(G) // warps) % splits
         for s in range(splits):
             groups = np.flatnonzero(split_of_group == s)
             words, inputs = (np.ravel(n * groups[:, None] + np.arange(n)) for n in (16, 128))
             weight = W4Weight(np.ascontiguousarray(packed[:, words]), np.ascontiguousarray(scales[:, groups]))
-            out[s, :tokens, :rows] = cpu.W4A16Linear(weight)(x[:, inputs]) if len(groups) else 0.0
+            partial[s, :tokens, :rows] = cpu.W4A16Linear(weight)(x[:, inputs]) if len(groups) else 0.0
+        if splits > 1:
+            if np.any(take(a.arrivals, grid[0]) != 0):
+                raise ValueError("w4a16_gemm: a tile's arrival count is not 0 at launch")
+            total = np.zeros((tokens, rows), np.float32)
+            for part in partial[:, :tokens, :rows]:  # in split order, as the last split adds
+                total += part
+            out[:tokens, :rows] = total
 
     return run
-
-
-def reduce_splits(grid, block, a):
-    n, size = min(int(a.n), threads(grid, block)), int(a.n)
-    total = np.zeros(n, np.float32)
-    for part in take(a.partial, int(a.splits), size)[:, :n]:  # in split order, as the kernel adds
-        total += part
-    a.out[:n] = total
 
 
 def f32_to_bf16_bits_twin(grid, block, a):
@@ -1015,7 +1017,7 @@ def qsa_select(grid, block, a):
 
 
 TWINS = {
-    "w4a16_gemm_t8": w4a16_gemm(1), "w4a16_gemm_t16": w4a16_gemm(2), "reduce_splits": reduce_splits,
+    "w4a16_gemm_t8": w4a16_gemm(1), "w4a16_gemm_t16": w4a16_gemm(2),
     "f32_to_bf16_bits": f32_to_bf16_bits_twin,
     "quantize_int8_blocks": quantize_int8_blocks_twin, "rotate_quantize_int8": rotate_quantize_int8,
     **{f"int8_gemv_{codec}": int8_gemv(codec) for codec in INT8_CODECS}, "trellis_gemv": trellis_gemv,
