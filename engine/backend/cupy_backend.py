@@ -353,25 +353,33 @@ def _rows(x) -> tuple[cp.ndarray, int]:
 
 
 def qk_norm_rope(x, weight, inv_freq, start: cp.ndarray, heads: int, head_dim: int, head_stride: int,
-                 rotary_dim: int, eps: float, keys=None, key_weight=None):
+                 rotary_dim: int, eps: float, keys=None, key_weight=None, append_to: KVCache | None = None, values=None,
+                 cache_start: cp.ndarray | None = None):
     """Attention queries (or any heads): per head zero-centred RMSNorm then partial NeoX RoPE at
     positions start[0] + t. x [T, C] holds head h at columns h * head_stride .. + head_dim; returns
     [T, heads, head_dim]. With keys [T, kv * head_dim] and key_weight, the keys' heads too in the same
-    launch: returns (queries, keys [T, kv, head_dim]). Rows may be wider: the stacked projection's
-    columns, read in place."""
+    launch: returns (queries, keys [T, kv, head_dim]); with a bf16 cache `append_to` as well, the keys
+    and values [T, kv * head_dim] go into it at cache_start[0] + t instead (KVCache.append's rows),
+    and the queries alone return. Rows may be wider: the stacked projection's columns, read in place."""
     x, row_stride = _rows(x)
     T = x.shape[0]
     y = cp.empty((T, heads, head_dim), cp.float32)
     if keys is None:
-        k, k_stride, k_weight, kv, yk = x, row_stride, weight, 0, y  # no key blocks: never read or written
+        k, k_stride, k_weight, kv = x, row_stride, weight, 0  # no key blocks: never read
     else:
         (k, k_stride), k_weight = _rows(keys), key_weight
         kv = k.shape[1] // head_dim
-        yk = cp.empty((T, kv, head_dim), cp.float32)
-    kernel("norms", "qk_norm_rope")((heads + kv, T), (head_dim,),
-                                    (x, k, device_f32(weight), device_f32(k_weight), device_f32(inv_freq), start, y, yk,
-                                     _i32(head_dim), _i64(row_stride), _i64(k_stride), _i32(heads), _i32(head_stride),
-                                     _i32(rotary_dim), _f32(eps)))
+    args = (x, k, device_f32(weight), device_f32(k_weight), device_f32(inv_freq), start, y)
+    shape = (_i32(head_dim), _i64(row_stride), _i64(k_stride), _i32(heads), _i32(head_stride), _i32(rotary_dim), _f32(eps))
+    if append_to is not None:
+        v, v_stride = _rows(values)
+        kernel("norms", "qk_norm_rope_append_bf16")((heads + kv, T), (head_dim,),
+                                                    (*args, *shape, v, _i64(v_stride), append_to.keys, append_to.values,
+                                                     cache_start, _i32(append_to.keys.shape[1])))
+        append_to.length += T
+        return y
+    yk = cp.empty((T, kv, head_dim), cp.float32) if kv else y  # no key heads: never written
+    kernel("norms", "qk_norm_rope")((heads + kv, T), (head_dim,), (*args, yk, *shape))
     return y if keys is None else (y, yk)
 
 

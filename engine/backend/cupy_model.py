@@ -42,6 +42,8 @@ n-gram rows are gathered on the host too) run uncaptured.
 
 from __future__ import annotations
 
+import functools
+
 import cupy as cp
 import numpy as np
 
@@ -342,8 +344,12 @@ class GpuOps:
         heads, kv, hd, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
         assert first == 0, "GpuOps.forward runs every row"
         q_and_gate, k, v = layer.split(qkv)
-        q, k = gb.qk_norm_rope(q_and_gate, layer.q_norm, self.inv_freq, rows.rope_start, heads, hd, 2 * hd, c.rotary_dim,
-                               eps, keys=k, key_weight=layer.k_norm)
+        norm_rope = functools.partial(gb.qk_norm_rope, q_and_gate, layer.q_norm, self.inv_freq, rows.rope_start, heads, hd,
+                                      2 * hd, c.rotary_dim, eps, keys=k, key_weight=layer.k_norm)
+        if isinstance(cache, gb.KVCache) and rows.T <= MAX_ROWS:  # one slice: its keys and values into the cache at once
+            q = norm_rope(append_to=cache, values=v, cache_start=rows.starts[:1])
+            return gb.attention_gate(gb.attend(q, cache, rows.starts[:1], rows.past), q_and_gate, hd, self.forms)
+        q, k = norm_rope()
         parts = []
         for piece, start, past in rows.slices():
             cache.append(k[piece], v[piece], start)

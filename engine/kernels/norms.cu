@@ -89,23 +89,51 @@ extern "C" __global__ void gated_rms_norm_sigmoid(const float* __restrict__ x, c
 // *start + t, read on the device so a captured graph replays at any position.
 // Blocks h < q_heads take query head h of row t at xq + t * q_row_stride + h * q_head_stride
 // (q_proj packs [query | gate] per head) with wq into yq [T, q_heads, D]; the rest key head
-// j = h - q_heads at xk + t * k_row_stride + j * D with wk into yk [T, k_heads, D]: both sets in one
-// launch (k_heads 0: queries only). Launch: grid (q_heads + k_heads, T), block D (64 .. 256).
-extern "C" __global__ void qk_norm_rope(const float* __restrict__ xq, const float* __restrict__ xk,
-                                        const float* __restrict__ wq, const float* __restrict__ wk,
-                                        const float* __restrict__ inv_freq, const int* __restrict__ start,
-                                        float* __restrict__ yq, float* __restrict__ yk, int D, long long q_row_stride,
-                                        long long k_row_stride, int q_heads, int q_head_stride, int rotary_dim,
-                                        float eps) {
+// j = h - q_heads at xk + t * k_row_stride + j * D with wk: both sets in one launch (no key heads:
+// queries only). The keys go to yk [T, k_heads, D], or with APPEND straight into a bf16 cache
+// [k_heads, capacity, D] at index *cache_start + t, beside the value head j of row t read at
+// v + t * v_row_stride + j * D (kv_append_bf16's rounding, a launch less a layer).
+// Launch: grid (q_heads + k_heads, T), block D (64 .. 256).
+template <bool APPEND>
+__device__ void qk_heads(const float* __restrict__ xq, const float* __restrict__ xk, const float* __restrict__ wq,
+                         const float* __restrict__ wk, const float* __restrict__ inv_freq, const int* __restrict__ start,
+                         float* __restrict__ yq, float* __restrict__ yk, int D, long long q_row_stride,
+                         long long k_row_stride, int q_heads, int q_head_stride, int rotary_dim, float eps,
+                         const float* __restrict__ v, long long v_row_stride, u16* __restrict__ keys,
+                         u16* __restrict__ values, const int* __restrict__ cache_start, int capacity) {
   __shared__ float scratch[WARP];
   __shared__ float normed[256];
   const int h = blockIdx.x, t = blockIdx.y, i = threadIdx.x;
   const bool query = h < q_heads;
   const int head = query ? h : h - q_heads, heads = query ? q_heads : gridDim.x - q_heads;
-  const float v = query ? xq[(size_t)t * q_row_stride + (size_t)head * q_head_stride + i]
+  const float x = query ? xq[(size_t)t * q_row_stride + (size_t)head * q_head_stride + i]
                         : xk[(size_t)t * k_row_stride + (size_t)head * D + i];
-  (query ? yq : yk)[((size_t)t * heads + head) * D + i] =
-      norm_rope_head(v, query ? wq : wk, inv_freq, *start + t, D, rotary_dim, eps, scratch, normed);
+  const float y = norm_rope_head(x, query ? wq : wk, inv_freq, *start + t, D, rotary_dim, eps, scratch, normed);
+  if (query || !APPEND) {
+    (query ? yq : yk)[((size_t)t * heads + head) * D + i] = y;
+    return;
+  }
+  const size_t at = ((size_t)head * capacity + *cache_start + t) * D + i;
+  keys[at] = f32_to_bf16(y);
+  values[at] = f32_to_bf16(v[(size_t)t * v_row_stride + (size_t)head * D + i]);
+}
+
+extern "C" __global__ void qk_norm_rope(const float* xq, const float* xk, const float* wq, const float* wk,
+                                        const float* inv_freq, const int* start, float* yq, float* yk, int D,
+                                        long long q_row_stride, long long k_row_stride, int q_heads,
+                                        int q_head_stride, int rotary_dim, float eps) {
+  qk_heads<false>(xq, xk, wq, wk, inv_freq, start, yq, yk, D, q_row_stride, k_row_stride, q_heads, q_head_stride,
+                  rotary_dim, eps, nullptr, 0, nullptr, nullptr, nullptr, 0);
+}
+
+extern "C" __global__ void qk_norm_rope_append_bf16(const float* xq, const float* xk, const float* wq, const float* wk,
+                                                    const float* inv_freq, const int* start, float* yq, int D,
+                                                    long long q_row_stride, long long k_row_stride, int q_heads,
+                                                    int q_head_stride, int rotary_dim, float eps, const float* v,
+                                                    long long v_row_stride, u16* keys, u16* values,
+                                                    const int* cache_start, int capacity) {
+  qk_heads<true>(xq, xk, wq, wk, inv_freq, start, yq, nullptr, D, q_row_stride, k_row_stride, q_heads, q_head_stride,
+                 rotary_dim, eps, v, v_row_stride, keys, values, cache_start, capacity);
 }
 
 // out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]: the SwiGLU of a fused gate|up product, also

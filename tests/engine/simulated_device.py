@@ -741,20 +741,28 @@ def gated_rms_norm(gate):
     return run
 
 
-def qk_norm_rope(grid, block, a):
+def qk_norm_rope(grid, block, a, append: bool = False):
     blocks, T, D, heads = grid[0], grid[1], int(a.D), int(a.q_heads)
     if block[0] != D:
         raise ValueError("qk_norm_rope: a thread per element of the head")
     rotary = int(a.rotary_dim)
     angles = (a.start[0] + np.arange(T))[:, None].astype(np.float32) * take(a.inv_freq, rotary // 2)[None, :]
-    for x, w, y, first, count, row_stride, head_stride in ((a.xq, a.wq, a.yq, 0, min(heads, blocks), a.q_row_stride, a.q_head_stride),
-                                                          (a.xk, a.wk, a.yk, heads, blocks - heads, a.k_row_stride, D)):
+    for x, w, first, count, row_stride, head_stride in ((a.xq, a.wq, 0, min(heads, blocks), a.q_row_stride, a.q_head_stride),
+                                                       (a.xk, a.wk, heads, blocks - heads, a.k_row_stride, D)):
         if count <= 0:
             continue
         t, h = np.arange(T)[:, None], np.arange(count)[None, :]
         heads_in = x[(t * int(row_stride) + h * int(head_stride))[..., None] + np.arange(D)]  # [T, count, D]
-        normed = cpu_ops.rms_norm(heads_in, take(w, D), a.eps)
-        take(y, T, count, D)[...] = cpu_ops.apply_rope(normed, np.cos(angles), np.sin(angles))
+        y = cpu_ops.apply_rope(cpu_ops.rms_norm(heads_in, take(w, D), a.eps), np.cos(angles), np.sin(angles))
+        if first == 0:
+            take(a.yq, T, count, D)[...] = y
+        elif not append:
+            take(a.yk, T, count, D)[...] = y
+        else:  # keys and values into the bf16 cache, as kv_append_bf16
+            positions = int(a.cache_start[0]) + np.arange(T)
+            values = take_rows(a.v, T, count * D, int(a.v_row_stride)).reshape(T, count, D)
+            for rows, cache in ((y, a.keys), (values, a.values)):
+                take(cache, count, int(a.capacity), D)[:, positions] = f32_to_bf16_bits(rows).transpose(1, 0, 2)
 
 
 def silu_mul(grid, block, a):
@@ -1028,7 +1036,7 @@ TWINS = {
        for kind in ("bf16", "q4", "exact")},
     "attention_combine": attention_combine, "kv_append_bf16": kv_append_bf16, "kv_append_q4": kv_append_q4,
     "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "gated_rms_norm": gated_rms_norm(cpu_ops.silu), "gated_rms_norm_sigmoid": gated_rms_norm(cpu_ops.sigmoid),
-    "qk_norm_rope": qk_norm_rope, "silu_mul": silu_mul, "attention_gate": attention_gate,
+    "qk_norm_rope": qk_norm_rope, "qk_norm_rope_append_bf16": functools.partial(qk_norm_rope, append=True), "silu_mul": silu_mul, "attention_gate": attention_gate,
     "silu_div": silu_div, "hc_mix": hc_mix, "hc_inject": hc_inject, "ple_gate": ple_gate, "ple_conv": ple_conv,
     "index_pool": index_pool, "index_scores": index_scores, "qsa_select": qsa_select,
 }

@@ -313,6 +313,29 @@ def test_norms_gates_and_rope_match_cpu(cp):
     np.testing.assert_allclose(host(gb.silu_mul(gate_up)), silu(gate_up[:, :1024]) * gate_up[:, 1024:], rtol=1e-5, atol=1e-7)
 
 
+def test_keys_normed_into_a_bf16_cache_are_what_an_append_stores(cp):
+    """qk_norm_rope with a bf16 cache to append to (a decode or verify pass's attention) stores the
+    keys it norms and rotates, and the values, exactly as KVCache.append stores the keys it would
+    return and the same values; the queries are the same bits either way."""
+    rng = np.random.default_rng(8)
+    T, heads, kv, hd, past = 4, 4, 2, 64, 37
+    qkv = rng.standard_normal((T, heads * 2 * hd + 2 * kv * hd)).astype(np.float32)
+    q_and_gate, k, v = (in_wider_rows(qkv[:, a:b], cp) for a, b in ((0, heads * 2 * hd), (heads * 2 * hd, -kv * hd), (-kv * hd, None)))
+    norm_q, norm_k = (1 + rng.standard_normal(hd).astype(np.float32) * 0.1 for _ in range(2))
+    inv_freq = 1.0 / 1e7 ** (np.arange(0, 16, 2, dtype=np.float32) / 16)
+    start = cp.asarray([past + 1], cp.int32)  # the MTP layer's rotary positions run one past its cache index
+    cache_start = cp.asarray([past], cp.int32)
+    norm_rope = lambda **cache: gb.qk_norm_rope(q_and_gate, norm_q, inv_freq, start, heads, hd, 2 * hd, 16, 1e-6,  # noqa: E731
+                                                keys=k, key_weight=norm_k, **cache)
+    appended, fused = gb.KVCache(kv, hd, capacity=past + T + 2), gb.KVCache(kv, hd, capacity=past + T + 2)
+    q, keys = norm_rope()
+    appended.append(keys, v, cache_start)
+    q_fused = norm_rope(append_to=fused, values=v, cache_start=cache_start)
+    assert np.array_equal(host(q_fused), host(q))
+    assert np.array_equal(host(fused.keys), host(appended.keys)) and np.array_equal(host(fused.values), host(appended.values))
+    assert fused.length == appended.length == T and host(fused.keys)[:, past : past + T].any()
+
+
 def test_stacked_linears_of_two_forms_give_columns_that_read_in_place(cp):
     """A ConcatOutputs of a W4 Linear and a dense one (a W4 checkpoint's in_proj with its 16-bit b|a
     rows): its Columns hold the CPU's stacked output; a range inside one part is that part's own
