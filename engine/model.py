@@ -91,9 +91,12 @@ class DeltaNet:
 
 @dataclass
 class MLP:
-    gate_up: object  # Linear [2 * I, H]: gate rows then up rows
+    gate_up: object  # Linear [2 * I, H]: gate rows then up rows, in the form ops.swiglu takes (ops.gate_up)
     down: object  # [H, I]
     ops: object = CPU
+
+    def __post_init__(self):
+        self.gate_up = self.ops.gate_up(self.gate_up)
 
     def __call__(self, x):
         return self.down(self.ops.swiglu(self.gate_up, x))

@@ -386,6 +386,11 @@ class CpuOps:
                                    np.ascontiguousarray(weight, np.float32), np.float32(eps), total, out)
         return total, out
 
+    @staticmethod
+    def gate_up(linear):
+        """An MLP's gate | up Linear in the form swiglu takes (on the CPU, as it is)."""
+        return linear
+
     def swiglu(self, gate_up, x: np.ndarray) -> np.ndarray:
         """silu(gate) * up of gate_up(x) as [T, I] (gate rows then up rows). With the compiled steps,
         token-major through one compiled pass (rows split between the cores for a prefill). numpy's

@@ -201,6 +201,40 @@ class W4A16Linear(RowSlicedLinear):
         return out
 
 
+class SwiGLUW4A16Linear(W4A16Linear):
+    """An MLP's gate | up on w4a16 whose product ends in silu(gate) * up (the kernel's SwiGLU epilogue,
+    no silu_mul launch): each 16-row tile holds gate rows 8b .. 8b + 7, then the up rows of the same
+    features, moved so at upload. `swiglu(x)` is what ops.swiglu asks of it; each output keeps the
+    bits of its gate and up rows' sums, which the move does not touch."""
+
+    def __init__(self, linear: W4A16Linear):
+        N = linear.N
+        if N % 32:
+            raise ValueError(f"a gate | up of {N} rows does not split into 16-row tiles of 8 features")
+        features = np.arange(N // 2).reshape(-1, 8)  # [tiles, 8]
+        order = np.concatenate([features, features + N // 2], axis=1).ravel()  # tile b: gate rows, then up rows
+        self.__dict__.update(linear.__dict__)
+        self.packed, self.scales = linear.packed[cp.asarray(order)], linear.scales[cp.asarray(order)]
+
+    def __call__(self, x):
+        raise TypeError("a SwiGLU gate | up runs through ops.swiglu (its rows are interleaved)")
+
+    def swiglu(self, x, forms: int = 0) -> cp.ndarray | Activations:
+        """silu(gate) * up [T, N / 2] of x [T, K], also as bf16 bits where forms ask (then Activations)."""
+        T, I = x.shape[0], self.N // 2
+        out = cp.empty((T, I), cp.float32)
+        bf16 = cp.empty((T, I), cp.uint16) if forms & EMIT_BF16 else cp.empty(1, cp.uint16)
+        for rows in _row_slices(T):
+            xb = x.bf16[rows] if isinstance(x, Activations) and x.bf16 is not None else to_bf16_bits(device_f32(x)[rows])
+            t = xb.shape[0]
+            partial = cp.empty((self.splits, t, self.N), cp.float32) if self.splits > 1 else out
+            kernel("w4a16", "w4a16_swiglu_t8" if t <= 8 else "w4a16_swiglu_t16")(
+                (self.N // 16, self.splits), (256,),
+                (self.packed, self.scales, xb, partial, out[rows], self.arrivals, _i32(self.N), _i32(self.K), _i32(t),
+                 bf16[rows] if forms & EMIT_BF16 else bf16, _i32(forms & EMIT_BF16)))
+        return Activations(out, bf16, None, None) if forms & EMIT_BF16 else out
+
+
 def to_bf16_bits(x: cp.ndarray) -> cp.ndarray:
     """fp32 -> bf16 bits (uint16), round to nearest even."""
     out = cp.empty(x.shape, cp.uint16)

@@ -334,7 +334,15 @@ class GpuOps:
         return 1.0 / (1.0 + cp.exp(-x))
 
     def swiglu(self, gate_up, x: cp.ndarray) -> cp.ndarray:
-        return gb.silu_mul(gate_up(x), self.forms)  # [T, 2I] (gate | up) -> [T, I], for the down projection
+        """[T, 2I] (gate | up) -> [T, I], for the down projection: in gate_up's epilogue where it has one."""
+        if isinstance(gate_up, gb.SwiGLUW4A16Linear):
+            return gate_up.swiglu(x, self.forms)
+        return gb.silu_mul(gate_up(x), self.forms)
+
+    @staticmethod
+    def gate_up(linear):
+        """An MLP's gate | up Linear in the form swiglu takes: W4A16's with SwiGLU in its epilogue."""
+        return gb.SwiGLUW4A16Linear(linear) if type(linear) is gb.W4A16Linear and linear.N % 32 == 0 else linear
 
     def attention(self, layer, qkv: cp.ndarray, cache, rows: Rows, first: int) -> cp.ndarray:
         """Gated attention's core (engine.backend.cpu_ops.CpuOps.attention; `first` is 0, see forward):

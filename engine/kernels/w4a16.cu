@@ -89,10 +89,14 @@ __device__ __forceinline__ void group_mma(float (*acc)[4], const GroupWords& w, 
   }
 }
 
-template <int TILES>
+// SWIGLU: the matrix is an MLP's gate | up with each 16-row tile holding gate rows 8b .. 8b + 7 and
+// then the up rows of the same features (cupy_backend.SwiGLUW4A16Linear lays them so), and the
+// epilogue writes silu(gate) * up [T, N / 2] (and its bf16 bits with forms & EMIT_BF16, the down
+// projection's input) instead of the product: silu_mul's launch folded in.
+template <int TILES, bool SWIGLU>
 __device__ void w4a16_gemm(const u32* __restrict__ packed, const u16* __restrict__ scales,
                            const u16* __restrict__ x, float* __restrict__ partial, float* __restrict__ out,
-                           int* __restrict__ arrivals, int N, int K, int T) {
+                           int* __restrict__ arrivals, int N, int K, int T, u16* __restrict__ out_bf16, int forms) {
   __shared__ float red[W4_WARPS][16][16];  // per warp: [tile row][token]
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
   const int gid = lane / 4, tig = lane % 4;
@@ -141,29 +145,39 @@ __device__ void w4a16_gemm(const u32* __restrict__ packed, const u16* __restrict
   const int r = threadIdx.x / 16, t = threadIdx.x % 16;  // 256 threads = 16 rows x 16 tokens
   const bool mine = t < T && t < 8 * TILES;
   const size_t at = (size_t)t * N + row0 + r;
-  if (mine) {
-    float sum = 0.0f;
+  float sum = 0.0f;
 #pragma unroll
-    for (int w = 0; w < W4_WARPS; ++w) sum += red[w][r][t];
-    (splits == 1 ? out : partial + (size_t)blockIdx.y * T * N)[at] = sum;
+  for (int w = 0; w < W4_WARPS; ++w) sum += red[w][r][t];
+  if (splits > 1) {
+    // The tile's last split sums the partials in split order: its writes reach device scope before
+    // its arrival counts (threadfence), and the last arrival reads them past L1 (ld.global.cg); it
+    // then sets the count back to 0 for the next launch (a captured graph replays the same counts).
+    __shared__ bool last;
+    if (mine) partial[(size_t)blockIdx.y * T * N + at] = sum;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(arrivals + blockIdx.x, 1) == splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    sum = 0.0f;
+    if (mine)
+      for (int s = 0; s < splits; ++s) sum += __ldcg(partial + (size_t)s * T * N + at);
+    if (threadIdx.x == 0) arrivals[blockIdx.x] = 0;
   }
-  if (splits == 1) return;
-  // The tile's last split sums the partials in split order: its writes reach device scope before
-  // its arrival counts (threadfence), and the last arrival reads them past L1 (ld.global.cg); it
-  // then sets the count back to 0 for the next launch (a captured graph replays the same counts).
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(arrivals + blockIdx.x, 1) == splits - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  if (mine) {
-    float sum = 0.0f;
-    for (int s = 0; s < splits; ++s) sum += __ldcg(partial + (size_t)s * T * N + at);
-    out[at] = sum;
+  if (!SWIGLU) {
+    if (mine) out[at] = sum;
+    return;
   }
-  if (threadIdx.x == 0) arrivals[blockIdx.x] = 0;
+  __shared__ float pre[16][16];  // [tile row][token]: gate rows 0..7, up rows 8..15
+  pre[r][t] = sum;
+  __syncthreads();
+  if (mine && r < 8) {
+    const float v = silu_f(pre[r][t]) * pre[r + 8][t];
+    const size_t feature = (size_t)t * (N / 2) + blockIdx.x * 8 + r;
+    out[feature] = v;
+    if (forms & EMIT_BF16) out_bf16[feature] = f32_to_bf16(v);
+  }
 }
 
 // One n8 tile (T <= 8) or two (T <= 16). Launch: grid (N / 16, splits), block 256; N % 16 == 0,
@@ -171,13 +185,26 @@ __device__ void w4a16_gemm(const u32* __restrict__ packed, const u16* __restrict
 extern "C" __global__ void __launch_bounds__(256) w4a16_gemm_t8(const u32* packed, const u16* scales, const u16* x,
                                                                 float* partial, float* out, int* arrivals, int N,
                                                                 int K, int T) {
-  w4a16_gemm<1>(packed, scales, x, partial, out, arrivals, N, K, T);
+  w4a16_gemm<1, false>(packed, scales, x, partial, out, arrivals, N, K, T, nullptr, 0);
 }
 
 extern "C" __global__ void __launch_bounds__(256) w4a16_gemm_t16(const u32* packed, const u16* scales, const u16* x,
                                                                  float* partial, float* out, int* arrivals, int N,
                                                                  int K, int T) {
-  w4a16_gemm<2>(packed, scales, x, partial, out, arrivals, N, K, T);
+  w4a16_gemm<2, false>(packed, scales, x, partial, out, arrivals, N, K, T, nullptr, 0);
+}
+
+// The SwiGLU epilogue's: out [T, N / 2] = silu(gate) * up, out_bf16 its bits where forms ask.
+extern "C" __global__ void __launch_bounds__(256) w4a16_swiglu_t8(const u32* packed, const u16* scales, const u16* x,
+                                                                  float* partial, float* out, int* arrivals, int N,
+                                                                  int K, int T, u16* out_bf16, int forms) {
+  w4a16_gemm<1, true>(packed, scales, x, partial, out, arrivals, N, K, T, out_bf16, forms);
+}
+
+extern "C" __global__ void __launch_bounds__(256) w4a16_swiglu_t16(const u32* packed, const u16* scales, const u16* x,
+                                                                   float* partial, float* out, int* arrivals, int N,
+                                                                   int K, int T, u16* out_bf16, int forms) {
+  w4a16_gemm<2, true>(packed, scales, x, partial, out, arrivals, N, K, T, out_bf16, forms);
 }
 
 // fp32 -> bf16 bits, round to nearest even: the w4a16 route's activation rounding.

@@ -578,11 +578,12 @@ def threads(grid: tuple, block: tuple) -> int:
     return grid[0] * block[0]
 
 
-def w4a16_gemm(tiles: int):
+def w4a16_gemm(tiles: int, swiglu: bool = False):
     """w4a16_gemm_t8 (one n8 tile) / t16: split y sums the groups its warps take (warp w: groups
     8y + w, then every 8 * splits) into its partial output [T, N] (the output itself with one
     split); each tile's last split then sums the partials in split order into the output and sets
-    its arrival count back to 0."""
+    its arrival count back to 0. w4a16_swiglu_t8 / t16: the same sums, then per 16-row tile
+    silu(rows 0..7) * rows 8..15 into out [T, N / 2] (and bf16 bits where forms ask)."""
     warps = constant("w4a16", "W4_WARPS")
 
     def run(grid, block, a):
@@ -590,21 +591,28 @@ def w4a16_gemm(tiles: int):
         rows, splits, tokens, G = min(N, 16 * grid[0]), grid[1], min(T, 8 * tiles), K // 128
         packed, scales = take(a.packed, N, K // 8)[:rows], take(a.scales, N, G)[:rows]
         x = bf16_to_f32(take(a.x, T, K)[:tokens])
-        out = take(a.out, T, N)
-        partial = out[None] if splits == 1 else take(a.partial, splits, T, N)
+        sums = np.empty((splits, tokens, rows), np.float32)
         split_of_group = (np.arange(G) // warps) % splits
         for s in range(splits):
             groups = np.flatnonzero(split_of_group == s)
             words, inputs = (np.ravel(n * groups[:, None] + np.arange(n)) for n in (16, 128))
             weight = W4Weight(np.ascontiguousarray(packed[:, words]), np.ascontiguousarray(scales[:, groups]))
-            partial[s, :tokens, :rows] = cpu.W4A16Linear(weight)(x[:, inputs]) if len(groups) else 0.0
+            sums[s] = cpu.W4A16Linear(weight)(x[:, inputs]) if len(groups) else 0.0
         if splits > 1:
             if np.any(take(a.arrivals, grid[0]) != 0):
                 raise ValueError("w4a16_gemm: a tile's arrival count is not 0 at launch")
-            total = np.zeros((tokens, rows), np.float32)
-            for part in partial[:, :tokens, :rows]:  # in split order, as the last split adds
-                total += part
-            out[:tokens, :rows] = total
+            take(a.partial, splits, T, N)[:, :tokens, :rows] = sums
+        total = np.zeros((tokens, rows), np.float32)
+        for part in sums:  # in split order, as the last split adds
+            total += part
+        if not swiglu:
+            take(a.out, T, N)[:tokens, :rows] = total
+            return
+        tiled = total.reshape(tokens, rows // 16, 2, 8)  # per tile: gate rows, then up rows
+        value = (cpu_ops.silu(tiled[:, :, 0]) * tiled[:, :, 1]).reshape(tokens, rows // 2)
+        take(a.out, T, N // 2)[:tokens, : rows // 2] = value
+        if int(a.forms) & 1:
+            take(a.out_bf16, T, N // 2)[:tokens, : rows // 2] = f32_to_bf16_bits(value)
 
     return run
 
@@ -1026,6 +1034,7 @@ def qsa_select(grid, block, a):
 
 TWINS = {
     "w4a16_gemm_t8": w4a16_gemm(1), "w4a16_gemm_t16": w4a16_gemm(2),
+    "w4a16_swiglu_t8": w4a16_gemm(1, swiglu=True), "w4a16_swiglu_t16": w4a16_gemm(2, swiglu=True),
     "f32_to_bf16_bits": f32_to_bf16_bits_twin,
     "quantize_int8_blocks": quantize_int8_blocks_twin, "rotate_quantize_int8": rotate_quantize_int8,
     **{f"int8_gemv_{codec}": int8_gemv(codec) for codec in INT8_CODECS}, "trellis_gemv": trellis_gemv,

@@ -76,6 +76,30 @@ def test_w4a16_matches_cpu(T, N, K):
     assert np.array_equal(host(linear(x)), got) and not host(linear.arrivals).any()
 
 
+@pytest.mark.parametrize("T", [1, 4, 16, 21])
+@pytest.mark.parametrize("I,K", [(256, 1024), (32, 5120)])  # one split, and groups split over blocks
+def test_w4a16_gate_up_ends_in_swiglu(T, I, K):
+    """An MLP's gate | up on w4a16 (ops.gate_up's form, rows interleaved per 16-row tile) gives
+    silu(gate) * up from its product's epilogue: the CPU's swiglu within the product's bound, the
+    same as the GPU's separate product and silu_mul, and its bf16 bits for the down projection."""
+    from duet.engine.backend.cpu_ops import CpuOps
+
+    w = random_w4(2 * I, K, seed=T + I)
+    x = np.random.default_rng(T).standard_normal((T, K)).astype(np.float32)
+    fused = gb.SwiGLUW4A16Linear(gb.W4A16Linear(w))
+    got = fused.swiglu(x, gb.EMIT_BF16)
+    values = host(got.f32)
+    assert values.shape == (T, I) and np.array_equal(host(got.bf16), f32_to_bf16_bits(values))
+    separate = host(gb.silu_mul(gb.W4A16Linear(w)(x)))
+    np.testing.assert_allclose(values, separate, rtol=1e-6, atol=1e-30)
+    gate_up = cpu.W4A16Linear(w)(x)
+    magnitude = np.abs(round_to_bf16(x)) @ np.abs(w.dequantize()).T  # each product's bound, carried through silu * up
+    want = CpuOps(compiled_steps=False).swiglu(cpu.W4A16Linear(w), x)
+    slack = SUM_RTOL * (magnitude[:, :I] * np.abs(gate_up[:, I:]) + magnitude[:, I:] * np.abs(gate_up[:, :I])) * 1.2
+    assert np.all(np.abs(values - want) <= slack + 1e-6 * np.abs(want) + 1e-30)
+    assert np.array_equal(host(fused.swiglu(x)), values) and not host(fused.arrivals).any()
+
+
 def test_bf16_rounding_is_bit_exact(cp):
     x = np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 1e3
     assert np.array_equal(host(gb.to_bf16_bits(cp.asarray(x))), f32_to_bf16_bits(x))
