@@ -582,9 +582,11 @@ class Q4KVCache:
         return True
 
 
-def attend(q, cache: KVCache | Q4KVCache, start: cp.ndarray, past: int) -> cp.ndarray:
+def attend(q, cache: KVCache | Q4KVCache, start: cp.ndarray, past: int, gates=None, forms: int = 0):
     """Causal GQA of q [T, heads, hd] (T <= 16; row t at position start[0] + t, whose KV rows the
-    cache already holds) -> [T, heads * hd]. `past` = start[0] on the host, to size the grid."""
+    cache already holds) -> [T, heads * hd]. `past` = start[0] on the host, to size the grid. With
+    gates (q_and_gate [T, heads * 2 hd], rows may be wider): times sigmoid of each head's gate, and
+    in the emitted `forms` (then Activations), as attention_gate would give it."""
     q = device_f32(q)
     T, heads, hd = q.shape
     scale = _f32(hd ** -0.5)
@@ -615,16 +617,21 @@ def attend(q, cache: KVCache | Q4KVCache, start: cp.ndarray, past: int) -> cp.nd
             (q, cache.signs, cache.key_codes, cache.key_scales, cache.value_codes, cache.value_scales, _i32(capacity),
              start, _i32(heads), _i32(kv), _i32(ATTENTION_CHUNK), scale, part_ml, part_acc, _i32(exact_chunks),
              _i32(n_slots)))
-    return _combined(part_ml, part_acc, cache.signs, n_plain, n_slots)
+    return _combined(part_ml, part_acc, cache.signs, n_plain, n_slots, gates, forms)
 
 
-def _combined(part_ml: cp.ndarray, part_acc: cp.ndarray, signs: cp.ndarray, n_plain: int, n_slots: int) -> cp.ndarray:
-    """The partials' slots [T, heads, n_slots, ...] combined (the rotated ones, from n_plain on, unrotated) -> [T, heads * hd]."""
+def _combined(part_ml: cp.ndarray, part_acc: cp.ndarray, signs: cp.ndarray, n_plain: int, n_slots: int, gates=None,
+              forms: int = 0) -> cp.ndarray | Activations:
+    """The partials' slots [T, heads, n_slots, ...] combined (the rotated ones, from n_plain on, unrotated) -> [T, heads * hd],
+    gated and in the emitted forms with gates (attend)."""
     T, heads, _, hd = part_acc.shape
-    out = cp.empty((T, heads, hd), cp.float32)
+    out = cp.empty((T, heads * hd), cp.float32)
+    gate_rows, gate_stride = _rows(gates.reshape(T, -1)) if gates is not None else (out, 0)  # ungated: unread
+    emit, result = _emitted(out, forms if gates is not None else 0)
     kernel("attention", "attention_combine")((heads, T), (hd,),
-                                             (part_ml, part_acc, signs, out, _i32(hd), _i32(n_plain), _i32(n_slots)))
-    return out.reshape(T, heads * hd)
+                                             (part_ml, part_acc, signs, out, _i32(hd), _i32(n_plain), _i32(n_slots),
+                                              gate_rows, _i64(gate_stride), _i32(gates is not None), *emit))
+    return result
 
 
 # ------------------------------------------------------------------------ Flash-Next ---
@@ -749,9 +756,10 @@ def qsa_select(q, blocks, start: cp.ndarray, past: int, ratio: int, top_blocks: 
     return selected, counts
 
 
-def attend_selected(q, cache: KVCache | Q4KVCache, start: cp.ndarray, selected: cp.ndarray, counts: cp.ndarray) -> cp.ndarray:
+def attend_selected(q, cache: KVCache | Q4KVCache, start: cp.ndarray, selected: cp.ndarray, counts: cp.ndarray,
+                    gates=None, forms: int = 0):
     """QSA's sparse attention: q [T, heads, hd] (row t the cache's row start[0] + t, already in it) over the
-    cache rows selected[t, :counts[t]] -> [T, heads * hd]."""
+    cache rows selected[t, :counts[t]] -> [T, heads * hd]; gates, forms: as attend's."""
     q = device_f32(q)
     T, heads, hd = q.shape
     width, scale = selected.shape[1], _f32(hd ** -0.5)
@@ -764,7 +772,7 @@ def attend_selected(q, cache: KVCache | Q4KVCache, start: cp.ndarray, selected: 
             (n_slots, heads, T), (128,),
             (q, cache.keys, cache.values, _i32(capacity), selected, counts, _i32(width), _i32(heads), _i32(kv),
              _i32(ATTENTION_CHUNK), scale, part_ml, part_acc, _i32(n_slots)))
-        return _combined(part_ml, part_acc, cache.signs, n_plain, n_slots)
+        return _combined(part_ml, part_acc, cache.signs, n_plain, n_slots, gates, forms)
     kv, capacity = cache.key_codes.shape[0], cache.key_codes.shape[1]
     n_plain = _blocks(SINK_ROWS + RECENT_ROWS, ATTENTION_CHUNK)
     n_slots = n_plain + _blocks(width, ATTENTION_CHUNK)
@@ -779,4 +787,4 @@ def attend_selected(q, cache: KVCache | Q4KVCache, start: cp.ndarray, selected: 
         (q, cache.signs, cache.key_codes, cache.key_scales, cache.value_codes, cache.value_scales, _i32(capacity), start,
          selected, counts, _i32(width), _i32(heads), _i32(kv), _i32(ATTENTION_CHUNK), scale, part_ml, part_acc,
          _i32(n_plain), _i32(n_slots)))
-    return _combined(part_ml, part_acc, cache.signs, n_plain, n_slots)
+    return _combined(part_ml, part_acc, cache.signs, n_plain, n_slots, gates, forms)

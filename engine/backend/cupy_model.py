@@ -354,9 +354,14 @@ class GpuOps:
         q_and_gate, k, v = layer.split(qkv)
         norm_rope = functools.partial(gb.qk_norm_rope, q_and_gate, layer.q_norm, self.inv_freq, rows.rope_start, heads, hd,
                                       2 * hd, c.rotary_dim, eps, keys=k, key_weight=layer.k_norm)
-        if isinstance(cache, gb.KVCache) and rows.T <= MAX_ROWS:  # one slice: its keys and values into the cache at once
-            q = norm_rope(append_to=cache, values=v, cache_start=rows.starts[:1])
-            return gb.attention_gate(gb.attend(q, cache, rows.starts[:1], rows.past), q_and_gate, hd, self.forms)
+        if rows.T <= MAX_ROWS:  # one slice: a bf16 cache takes its keys and values from the norms' launch, and
+            start = rows.starts[:1]  # the combine applies the gate and writes the forms o_proj reads
+            if isinstance(cache, gb.KVCache):
+                q = norm_rope(append_to=cache, values=v, cache_start=start)
+            else:
+                q, k = norm_rope()
+                cache.append(k, v, start)
+            return gb.attend(q, cache, start, rows.past, gates=q_and_gate, forms=self.forms)
         q, k = norm_rope()
         parts = []
         for piece, start, past in rows.slices():
@@ -414,13 +419,15 @@ class GpuOps:
         def pool(first_block: int, n: int) -> None:
             gb.pool_index_blocks(cache, first_block, n, ix.k_norm, self.inv_freq, c.rotary_dim, rows.rope_offset, eps)
 
+        one = rows.T <= MAX_ROWS  # one slice: the combine applies the gate and writes the forms o_proj reads
         parts = []
         for piece, start, past in rows.slices():
             cache.kv.append(k[piece], v[piece], start)
             cache.append_index_keys(index_qk[piece, ix.heads * d:], past, pool)
             selected, counts = gb.qsa_select(index_q[piece], cache.blocks, start, past, ix.ratio, ix.top_blocks)
-            parts.append(gb.attend_selected(q[piece], cache.kv, start, selected, counts))
-        return gb.attention_gate(_joined(parts), q_and_gate, hd, self.forms)  # for o_proj
+            parts.append(gb.attend_selected(q[piece], cache.kv, start, selected, counts,
+                                            *((q_and_gate, self.forms) if one else ())))
+        return parts[0] if one else gb.attention_gate(_joined(parts), q_and_gate, hd, self.forms)  # for o_proj
 
 
 def _joined(parts: list) -> cp.ndarray:

@@ -372,10 +372,14 @@ SPARSE_ATTENTION_PARTIALS(256)
 // --------------------------------------------------------------------------- combine ---
 // out[t, h] = (sum over slots of e^(m_c - M) acc_c, the rotated slots unrotated) / (sum e^(m_c - M) l_c).
 // Slots [0, n_plain) are in the model's basis, [n_plain, n_slots) rotated (q4 middle rows; signs
-// given). Launch: grid (heads, T), block HD.
+// given). With `gated`, times sigmoid of query head h's gate, read in place from the stacked
+// projection's row t (gates + t * gate_row_stride + h * 2HD + HD: attention_gate's step), and also
+// in the emitted forms o_proj reads (common.cuh). Launch: grid (heads, T), block HD.
 extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
                                              const float* __restrict__ signs, float* __restrict__ out, int HD,
-                                             int n_plain, int n_slots) {
+                                             int n_plain, int n_slots, const float* __restrict__ gates,
+                                             long long gate_row_stride, int gated, u16* y_bf16, signed char* y_q,
+                                             float* y_scale, int forms) {
   __shared__ float rotated[256];
   const int h = blockIdx.x, t = blockIdx.y, heads = gridDim.x, i = threadIdx.x;
   const size_t first = ((size_t)t * heads + h) * n_slots;
@@ -395,7 +399,11 @@ extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, 
     block_fwht(rotated, HD);
     plain += rotated[i] * (1.0f / sqrtf((float)HD)) * signs[i];
   }
-  out[((size_t)t * heads + h) * HD + i] = plain / L;
+  float v = plain / L;
+  if (gated) v *= sigmoid_f(gates[(size_t)t * gate_row_stride + (size_t)h * 2 * HD + HD + i]);
+  const size_t at = ((size_t)t * heads + h) * HD + i;
+  out[at] = v;
+  emit_forms(v, at, forms, y_bf16, y_q, y_scale);
 }
 
 // ------------------------------------------------------------------------- appending ---

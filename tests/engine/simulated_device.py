@@ -919,7 +919,12 @@ def attention_combine(grid, block, a):
     out = weighted[:, :, :n_plain].sum(axis=2)
     if n_slots > n_plain:  # the rotated slots, unrotated: (r @ H / sqrt(HD)) * signs
         out += (weighted[:, :, n_plain:].sum(axis=2) @ rotation(HD)) * take(a.signs, HD)
-    take(a.out, T, heads, HD)[...] = out / total[..., None]
+    out = out / total[..., None]
+    if int(a.gated):  # attention_gate's step, the gates read in place
+        gates = take_rows(a.gates, T, heads * 2 * HD, int(a.gate_row_stride)).reshape(T, heads, 2 * HD)[..., HD:]
+        out = out * cpu_ops.sigmoid(gates)
+    take(a.out, T, heads, HD)[...] = out
+    emit_forms(a, out.ravel())
 
 
 def kv_append_bf16(grid, block, a):

@@ -382,7 +382,7 @@ def test_stacked_linears_of_two_forms_give_columns_that_read_in_place(cp):
 
 def test_the_kernels_feeding_linears_emit_their_inputs_bit_for_bit(cp):
     """Each kernel whose output only Linears read (a layer's norms, SwiGLU, DeltaNet's gated norm,
-    attention's gate) writes, beside its fp32 rows, the bf16 bits and int8 codes and
+    attention's gate, alone or in the combine) writes, beside its fp32 rows, the bf16 bits and int8 codes and
     scales that f32_to_bf16_bits and quantize_int8_blocks make of them; the W4 Linears read those
     and give the bits they give from the fp32 rows (no conversion launched)."""
     rng = np.random.default_rng(9)
@@ -395,7 +395,14 @@ def test_the_kernels_feeding_linears_emit_their_inputs_bit_for_bit(cp):
     o = rng.standard_normal((T, heads, hd)).astype(np.float32)
     z = rng.standard_normal((T, heads * hd)).astype(np.float32)
     gate_up = rng.standard_normal((T, 2 * 256)).astype(np.float32)
+    q, keys, values = attention_inputs(T, 40, heads, 2, hd, seed=10)
+    cache = gb.KVCache(2, hd, capacity=48)
+    cache.append(keys, values, cp.asarray([0], cp.int32))
+    start = cp.asarray([40], cp.int32)
+    attended = lambda forms: gb.attend(q, cache, start, 40, gates=q_and_gate, forms=forms)  # noqa: E731
+    assert np.array_equal(host(attended(0)), host(gb.attention_gate(gb.attend(q, cache, start, 40), q_and_gate, hd)))
     produced = {"rms_norm": lambda forms: gb.rms_norm(x, w, 1e-6, forms),
+                "attention's combine, gated": attended,
                 "add_rms_norm": lambda forms: gb.add_rms_norm(x, delta, w, 1e-6, forms)[1],
                 "add_rms_norm of zeros": lambda forms: gb.add_rms_norm(zeros, zeros, w, 1e-6, forms)[1],
                 "silu_mul": lambda forms: gb.silu_mul(gate_up, forms),
