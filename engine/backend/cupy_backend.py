@@ -124,7 +124,7 @@ def _blocks(n: int, per: int) -> int:
 # ------------------------------------------------------------------------------ linears ---
 
 class DenseLinear:
-    """`bf16` route: the fp32 weight [N, K] (exact widening of the checkpoint's bf16) through cuBLAS."""
+    """`bf16` route on an fp32 matrix (a GGUF F32 tensor, or a quantized one dequantized): cuBLAS."""
 
     route = "bf16"
 
@@ -137,13 +137,6 @@ class DenseLinear:
 
     def __call__(self, x) -> cp.ndarray:
         return device_f32(x) @ self.weight.T
-
-
-class BF16Linear(DenseLinear):
-    """`bf16` route on a bf16 checkpoint's matrix (BF16Matrix), widened to fp32 on the way up."""
-
-    def __init__(self, weight):
-        super().__init__(weight.dequantize())
 
 
 class RowSlicedLinear:
@@ -166,6 +159,57 @@ class RowSlicedLinear:
         for rows in _row_slices(x.shape[0]):
             out[rows] = self.run_rows(x[rows])
         return out
+
+
+class BF16Linear(RowSlicedLinear):
+    """`bf16` route on a bf16 checkpoint's matrix (BF16Matrix): its bits stay bf16 on the card (half
+    of an fp32 copy's memory and of the bytes a pass reads), widened exactly in bf16_gemv, which
+    multiplies fp32 activations and sums in fp32, as the CPU's BF16Linear."""
+
+    route = "bf16"
+
+    def __init__(self, weight):
+        self.bits = weight if isinstance(weight, cp.ndarray) else cp.asarray(weight.bits)  # uint16 [N, K]
+        self.N, self.K = self.bits.shape
+        if self.K % 8:
+            raise ValueError(f"bf16_gemv needs K % 8 == 0, got {self.N} x {self.K}")
+
+    def leading_rows(self, stop: int) -> BF16Linear:
+        """This Linear over weight rows 0..stop-1, reading the same bits (the draft shortlist's block)."""
+        return BF16Linear(self.bits[:stop])
+
+    def run_rows(self, x) -> cp.ndarray:
+        x = device_f32(x)
+        T = x.shape[0]
+        out = cp.empty((T, self.N), cp.float32)
+        kernel("dense", "bf16_gemv")((_blocks(self.N, 8),), (256,), (self.bits, x, out, _i32(self.N), _i32(self.K), _i32(T)))
+        return out
+
+
+class SwiGLUBF16Linear(BF16Linear):
+    """An MLP's gate | up on the bf16 route whose product ends in silu(gate) * up (bf16_swiglu: a warp
+    takes a feature's gate and up rows; no silu_mul launch). `swiglu(x)` is what ops.swiglu asks of it."""
+
+    def __init__(self, linear: BF16Linear):
+        super().__init__(linear.bits)
+
+    def swiglu(self, x, forms: int = 0) -> cp.ndarray:
+        """silu(gate) * up [T, N / 2] of x [T, K] (the bf16 route's down projection reads fp32: no forms)."""
+        x = device_f32(x)
+        T, I = x.shape[0], self.N // 2
+        out = cp.empty((T, I), cp.float32)
+        for rows in _row_slices(T):
+            kernel("dense", "bf16_swiglu")((_blocks(I, 8),), (256,),
+                                          (self.bits, x[rows], out[rows], _i32(I), _i32(self.K), _i32(x[rows].shape[0])))
+        return out
+
+
+def embed_bf16(table: cp.ndarray, ids) -> cp.ndarray:
+    """Rows ids (host or device) of a bf16 table (uint16 bits [V, H]) as fp32 [T, H], in one launch."""
+    ids = cp.asarray(ids, dtype=cp.int32)
+    out = cp.empty((ids.shape[0], table.shape[1]), cp.float32)
+    kernel("dense", "embed_bf16")((ids.shape[0],), (256,), (table, ids, out, _i32(table.shape[1])))
+    return out
 
 
 class W4A16Linear(RowSlicedLinear):

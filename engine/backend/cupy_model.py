@@ -28,8 +28,10 @@ Where the numbers differ from the CPU op set (the GPU tests' tolerances cover ea
 - a q4-KV prefill reads its own earlier rows as the cache holds them (the CPU reads the rows of one
   prefill call exact; Flash-Next's QSA reads them as the GPU does, MAX_ROWS rows at a time): prompts
   shorter than SINK_ROWS + RECENT_ROWS tokens see no difference;
-- bf16-route Linears are cuBLAS products, which do not promise a verify row the bits of the one-row
-  step it stands for; the W4 routes' kernels compute every row the same way at any row count.
+- fp32 float matrices (a GGUF F32 or a dequantized tensor on the bf16 route) are cuBLAS products,
+  which do not promise a verify row the bits of the one-row step it stands for; a checkpoint's bf16
+  matrices (bf16_gemv, kept bf16 on the card) and the W4 routes' kernels compute every row the same
+  way at any row count.
 
 Decode cycles as CUDA graphs. A short call on a dense model is captured once per (rows, attention
 grid) and replayed: tokens and the position are read on the device from `state.inputs`, so the
@@ -106,9 +108,9 @@ class Embedding:
 
     ROWS_AT_ONCE = 4096  # host rows checked and narrowed at a time (no full-size temporaries)
 
-    def __init__(self, table):
-        if isinstance(table, cp.ndarray):  # already on the device
-            self.table, self.bf16 = table, False
+    def __init__(self, table, bf16: bool = False):
+        if isinstance(table, cp.ndarray):  # already on the device: a tied head's rows, bf16 bits with `bf16`
+            self.table, self.bf16 = table, bf16
             return
         if not isinstance(table, np.ndarray):  # a quantized table (GGUF token_embd): its exact fp32 values
             table = table.dequantize()
@@ -124,8 +126,9 @@ class Embedding:
         self.table = cp.asarray(high)
 
     def __getitem__(self, ids) -> cp.ndarray:
-        rows = self.table[cp.asarray(ids)]  # [T, H]
-        return (rows.astype(cp.uint32) << cp.uint32(16)).view(cp.float32) if self.bf16 else rows
+        if not self.bf16:
+            return self.table[cp.asarray(ids)]  # [T, H]
+        return gb.embed_bf16(self.table, ids)
 
 
 # -------------------------------------------------------------------------------- rows ---
@@ -195,6 +198,8 @@ class GpuOps:
 
     def embedding(self, table, tied_head=None) -> Embedding:
         """The token table, or a tied float head's device rows (one upload for both)."""
+        if isinstance(tied_head, gb.BF16Linear):
+            return Embedding(tied_head.bits, bf16=True)
         return Embedding(tied_head.weight if isinstance(tied_head, gb.DenseLinear) else table)
 
     def host_head(self, head) -> OnHost:
@@ -208,6 +213,8 @@ class GpuOps:
         or on the host where our kernels do not take them (W4 rows not a multiple of 16)."""
         if isinstance(rows, slice) and isinstance(head, gb.DenseLinear):
             return gb.DenseLinear(head.weight[rows])
+        if isinstance(rows, slice) and isinstance(head, gb.BF16Linear):
+            return head.leading_rows(rows.stop)
         part = take_rows(matrix, rows)
         try:
             return self.linear(part, route)
@@ -335,14 +342,16 @@ class GpuOps:
 
     def swiglu(self, gate_up, x: cp.ndarray) -> cp.ndarray:
         """[T, 2I] (gate | up) -> [T, I], for the down projection: in gate_up's epilogue where it has one."""
-        if isinstance(gate_up, gb.SwiGLUW4A16Linear):
+        if isinstance(gate_up, (gb.SwiGLUW4A16Linear, gb.SwiGLUBF16Linear)):
             return gate_up.swiglu(x, self.forms)
         return gb.silu_mul(gate_up(x), self.forms)
 
     @staticmethod
     def gate_up(linear):
-        """An MLP's gate | up Linear in the form swiglu takes: W4A16's with SwiGLU in its epilogue."""
-        return gb.SwiGLUW4A16Linear(linear) if type(linear) is gb.W4A16Linear and linear.N % 32 == 0 else linear
+        """An MLP's gate | up Linear in the form swiglu takes: W4A16's and bf16's with SwiGLU in the product."""
+        if type(linear) is gb.W4A16Linear and linear.N % 32 == 0:
+            return gb.SwiGLUW4A16Linear(linear)
+        return gb.SwiGLUBF16Linear(linear) if type(linear) is gb.BF16Linear else linear
 
     def attention(self, layer, qkv: cp.ndarray, cache, rows: Rows, first: int) -> cp.ndarray:
         """Gated attention's core (engine.backend.cpu_ops.CpuOps.attention; `first` is 0, see forward):

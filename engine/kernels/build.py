@@ -25,6 +25,7 @@ KERNEL_DIR = Path(__file__).resolve().parent
 # Every kernel the backend launches, by source file; the compile test holds each file to its list.
 KERNELS = {
     "w4a16": ("w4a16_gemm_t8", "w4a16_gemm_t16", "w4a16_swiglu_t8", "w4a16_swiglu_t16", "f32_to_bf16_bits"),
+    "dense": ("bf16_gemv", "bf16_swiglu", "embed_bf16"),
     "w4a8": ("quantize_int8_blocks", "rotate_quantize_int8", "int8_gemv_w4", "int8_gemv_q8_0", "int8_gemv_q4_0",
              "int8_gemv_iq4_xs", "trellis_gemv"),
     "deltanet": ("causal_conv_silu", "deltanet_rows_dk32", "deltanet_rows_dk64", "deltanet_rows_dk128"),

@@ -617,6 +617,35 @@ def w4a16_gemm(tiles: int, swiglu: bool = False):
     return run
 
 
+def row_dots(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """x [T, K] times each weight row [N, K] -> [T, N], every output summed on its own (its bits do not
+    depend on the other rows, as a warp per row gives them; a BLAS product's blocking would: einsum
+    without optimize runs one sum of products per output)."""
+    return np.einsum("tk,nk->tn", x, weight)
+
+
+def bf16_gemv(grid, block, a):
+    """A warp per weight row (8 a block): out [T, N] = x [T, K] times the widened bf16 rows."""
+    N, K, T = int(a.N), int(a.K), int(a.T)
+    rows = min(N, grid[0] * (block[0] // 32))
+    take(a.out, T, N)[:, :rows] = row_dots(take(a.x, T, K), bf16_to_f32(take(a.w, N, K)[:rows]))
+
+
+def bf16_swiglu(grid, block, a):
+    """A warp per feature (8 a block): silu(gate) * up of its two widened bf16 rows times x."""
+    I, K, T = int(a.I), int(a.K), int(a.T)
+    features = min(I, grid[0] * (block[0] // 32))
+    weight = bf16_to_f32(take(a.w, 2 * I, K))
+    x = take(a.x, T, K)
+    gate, up = row_dots(x, weight[:features]), row_dots(x, weight[I : I + features])
+    take(a.out, T, I)[:, :features] = cpu_ops.silu(gate) * up
+
+
+def embed_bf16(grid, block, a):
+    T, H = grid[0], int(a.H)
+    take(a.out, T, H)[...] = bf16_to_f32(take(a.table, a.table.size // H, H)[take(a.ids, T)])
+
+
 def f32_to_bf16_bits_twin(grid, block, a):
     n = min(int(a.n), threads(grid, block))
     a.out[:n] = f32_to_bf16_bits(a.x[:n])
@@ -1038,7 +1067,7 @@ def qsa_select(grid, block, a):
 
 
 TWINS = {
-    "w4a16_gemm_t8": w4a16_gemm(1), "w4a16_gemm_t16": w4a16_gemm(2),
+    "bf16_gemv": bf16_gemv, "bf16_swiglu": bf16_swiglu, "embed_bf16": embed_bf16, "w4a16_gemm_t8": w4a16_gemm(1), "w4a16_gemm_t16": w4a16_gemm(2),
     "w4a16_swiglu_t8": w4a16_gemm(1, swiglu=True), "w4a16_swiglu_t16": w4a16_gemm(2, swiglu=True),
     "f32_to_bf16_bits": f32_to_bf16_bits_twin,
     "quantize_int8_blocks": quantize_int8_blocks_twin, "rotate_quantize_int8": rotate_quantize_int8,

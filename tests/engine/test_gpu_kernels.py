@@ -100,6 +100,29 @@ def test_w4a16_gate_up_ends_in_swiglu(T, I, K):
     assert np.array_equal(host(fused.swiglu(x)), values) and not host(fused.arrivals).any()
 
 
+@pytest.mark.parametrize("T", ROW_COUNTS)
+def test_bf16_weights_stay_bf16_on_the_card_and_match_cpu(T):
+    """The bf16 route keeps a checkpoint's bf16 bits on the card (bf16_gemv widens them exactly):
+    the CPU's BF16Linear within the fp32 sum bound, any T; the draft shortlist's leading rows read
+    the same bits; an MLP's gate | up gives silu(gate) * up from the same pass (bf16_swiglu) as the
+    product and silu_mul give it; a tied table's rows widen exactly (embed_bf16)."""
+    from duet.engine.backend.cupy_model import Embedding
+    from duet.engine.weights import BF16Matrix
+
+    rng = np.random.default_rng(T)
+    bits = f32_to_bf16_bits(rng.standard_normal((96, 264)).astype(np.float32) * 0.05)  # K a multiple of 8, not 256
+    matrix, x = BF16Matrix(bits), rng.standard_normal((T, 264)).astype(np.float32)
+    linear = gb.BF16Linear(matrix)
+    assert linear.bits.dtype == np.uint16 and linear.shape == (96, 264)
+    got, weight = host(linear(x)), matrix.dequantize()
+    assert_sum_close(got, cpu.BF16Linear(matrix)(x), np.abs(x) @ np.abs(weight).T)
+    assert np.array_equal(host(linear.leading_rows(32)(x)), got[:, :32])
+    fused = host(gb.SwiGLUBF16Linear(linear).swiglu(x))
+    np.testing.assert_allclose(fused, host(gb.silu_mul(linear(x))), rtol=1e-6, atol=1e-30)
+    ids = np.array([5, 0, 95, 5][: max(1, T % 5)])
+    assert np.array_equal(host(Embedding(linear.bits, bf16=True)[ids]), weight[ids])
+
+
 def test_bf16_rounding_is_bit_exact(cp):
     x = np.random.default_rng(0).standard_normal(4096).astype(np.float32) * 1e3
     assert np.array_equal(host(gb.to_bf16_bits(cp.asarray(x))), f32_to_bf16_bits(x))
