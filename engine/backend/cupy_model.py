@@ -102,9 +102,10 @@ class GpuShortlistHead:
 
 class Embedding:
     """The token table on the device: bf16 bits when every value is a bf16 (checkpoints store bf16;
-    the reader widened them to fp32 exactly), else fp32 (a GGUF table dequantized, as the CPU op
-    set's row lookup dequantizes, or a tied float head's device rows). `embed[ids]` gathers fp32
-    rows [T, H]; ids on the host or the device."""
+    the reader widened them to fp32 exactly; a tied bf16 head's own bits), else fp32 (a GGUF table
+    dequantized, as the CPU op set's row lookup dequantizes, or a tied fp32 head's device rows).
+    `embed[ids]` gathers fp32 rows [T, H] (bf16 rows widened in the same launch); ids on the host
+    or the device."""
 
     ROWS_AT_ONCE = 4096  # host rows checked and narrowed at a time (no full-size temporaries)
 
