@@ -546,13 +546,22 @@ ATTENTION_CHUNK = 512  # keys per block of a row; longer contexts spread over mo
 
 
 class KVCache:
-    """bf16 keys and values [kv, capacity, head_dim] on the device."""
+    """bf16 keys and values [kv, capacity, head_dim] on the device. query_heads: the attention's, which
+    sizes the chunk arrival counts attention_bf16 keeps (one per query row and head) up front, so a
+    captured cycle never makes them."""
 
-    def __init__(self, kv_heads: int, head_dim: int, capacity: int):
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int, query_heads: int = 0):
         self.keys = cp.zeros((kv_heads, capacity, head_dim), cp.uint16)
         self.values = cp.zeros_like(self.keys)
         self.length = 0
         self.signs = cp.ones(head_dim, cp.float32)  # the combine's rotation signs, unread here: no slot is rotated
+        self._arrivals = cp.zeros(MAX_ROWS * query_heads, cp.int32)
+
+    def arrivals(self, n: int) -> cp.ndarray:
+        """At least n chunk arrival counts, 0 between launches (each launch leaves them so)."""
+        if self._arrivals.size < n:
+            self._arrivals = cp.zeros(n, cp.int32)
+        return self._arrivals
 
     def append(self, k, v, start: cp.ndarray) -> None:
         """k [T, kv, hd] and v [T, kv * hd] (rows may be wider: read in place) at positions start[0] + t
@@ -635,16 +644,20 @@ def attend(q, cache: KVCache | Q4KVCache, start: cp.ndarray, past: int, gates=No
     T, heads, hd = q.shape
     scale = _f32(hd ** -0.5)
     end = past + T
-    if isinstance(cache, KVCache):
+    if isinstance(cache, KVCache):  # partials and combine in one launch
         kv, capacity = cache.keys.shape[0], cache.keys.shape[1]
         chunks = _blocks(end, ATTENTION_CHUNK)
         part_ml = cp.empty((T, heads, chunks, 2), cp.float32)
         part_acc = cp.empty((T, heads, chunks, hd), cp.float32)
-        kernel("attention", f"attention_partial_bf16_hd{hd}")(
+        out = cp.empty((T, heads * hd), cp.float32)
+        gate_rows, gate_stride = _rows(gates.reshape(T, -1)) if gates is not None else (out, 0)  # ungated: unread
+        emit, result = _emitted(out, forms if gates is not None else 0)
+        kernel("attention", f"attention_bf16_hd{hd}")(
             (chunks, heads, T), (128,),
             (q, cache.keys, cache.values, _i32(capacity), start, _i32(heads), _i32(kv), _i32(ATTENTION_CHUNK), scale,
-             part_ml, part_acc, _i32(chunks)))
-        n_plain, n_slots = chunks, chunks
+             part_ml, part_acc, cache.arrivals(T * heads), out, gate_rows, _i64(gate_stride), _i32(gates is not None),
+             *emit))
+        return result
     else:
         kv, capacity = cache.key_codes.shape[0], cache.key_codes.shape[1]
         exact_chunks = _blocks(SINK_ROWS + RECENT_ROWS, ATTENTION_CHUNK)

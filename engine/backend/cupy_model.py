@@ -175,6 +175,7 @@ class GpuOps:
 
     def __init__(self, config: ModelConfig):
         self.inv_freq = _dev(rope_frequencies(config.rotary_dim, config.rope_theta))  # the CPU's fp32 inv_freq
+        self.query_heads = config.num_attention_heads
         self.version = 0
         self.warm: set[int] = set()
         self.graphable = True
@@ -237,7 +238,9 @@ class GpuOps:
         return GpuState(caches)
 
     def kv_cache(self, kv_heads: int, head_dim: int, kv: str) -> gb.KVCache | gb.Q4KVCache:
-        return (gb.Q4KVCache if kv == "q4" else gb.KVCache)(kv_heads, head_dim, KV_CAPACITY)
+        if kv == "q4":
+            return gb.Q4KVCache(kv_heads, head_dim, KV_CAPACITY)
+        return gb.KVCache(kv_heads, head_dim, KV_CAPACITY, query_heads=self.query_heads)
 
     def deltanet_state(self, channels: int, kernel: int, value_heads: int, key_dim: int, value_dim: int) -> gb.DeltaNetState:
         return gb.DeltaNetState(channels, kernel, value_heads, key_dim, value_dim)

@@ -6,9 +6,10 @@
 // Query row t (position start + t) sees positions 0 .. start + t; query head h reads KV head
 // h / (heads / kv). scores = (q . k) * HD^-0.5, softmax, sum of p v.
 //
-// Flash-decoding in two kernels: attention_partial_* gives each block a chunk of one row's keys and
-// writes the chunk's (max, sum of e^(s - max), sum of e^(s - max) v); attention_combine rescales
-// the chunks to one max and divides. The q4 cache never unrotates a row: with k = diag(s) H_n r,
+// Flash-decoding: each block takes a chunk of one row's keys and writes the chunk's (max, sum of
+// e^(s - max), sum of e^(s - max) v); the combine rescales the chunks to one max and divides. On the
+// bf16 cache both run in one launch (attention_bf16_*: the last chunk to arrive combines); the q4
+// cache's exact and quantized partials and QSA's sparse ones end in attention_combine. The q4 cache never unrotates a row: with k = diag(s) H_n r,
 // q . k = (H_n diag(s) q) . r, so the block rotates q once; and sum_j p_j v_j = diag(s) H_n
 // (sum_j p_j r_j), so the rotated chunks' sums are unrotated once, in the combine.
 #include "common.cuh"
@@ -209,12 +210,40 @@ __device__ void attention_partial_exact(const float* q, const float* sink_keys, 
   attention_partial<HD>(rows, qs, lo, hi, t, h, heads, chunk, 0, n_slots, scale, part_ml, part_acc);
 }
 
+__device__ void combine_head(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                             const float* __restrict__ signs, float* __restrict__ out, int HD, int h, int t, int heads,
+                             int n_plain, int n_slots, const float* __restrict__ gates, long long gate_row_stride,
+                             int gated, u16* y_bf16, signed char* y_q, float* y_scale, int forms);  // below
+
+// bf16 cache in one launch: the chunk partials, then (the last chunk of a row and head to arrive,
+// counted in arrivals[t * heads + h], left at 0) the combine of attention_combine, gate and forms
+// included. Launch: grid (chunks, heads, T), block 128.
+template <int HD>
+__device__ void attention_bf16(const float* q, const u16* keys, const u16* values, int capacity, const int* start,
+                               int heads, int kv, int chunk, float scale, float* part_ml, float* part_acc,
+                               int* arrivals, float* out, const float* gates, long long gate_row_stride, int gated,
+                               u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
+  attention_partial_bf16<HD>(q, keys, values, capacity, start, heads, kv, chunk, scale, part_ml, part_acc, gridDim.x);
+  __shared__ bool last;
+  const int h = blockIdx.y, t = blockIdx.z;
+  __threadfence();  // this chunk's partial reaches device scope before its arrival counts
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(arrivals + t * heads + h, 1) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  combine_head(part_ml, part_acc, nullptr, out, HD, h, t, heads, gridDim.x, gridDim.x, gates, gate_row_stride, gated,
+               y_bf16, y_q, y_scale, forms);
+  if (threadIdx.x == 0) arrivals[t * heads + h] = 0;
+}
+
 #define ATTENTION_PARTIALS(HD)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(128) attention_partial_bf16_hd##HD(                             \
+  extern "C" __global__ void __launch_bounds__(128) attention_bf16_hd##HD(                                     \
       const float* q, const u16* keys, const u16* values, int capacity, const int* start, int heads, int kv,   \
-      int chunk, float scale, float* part_ml, float* part_acc, int n_slots) {                                  \
-    attention_partial_bf16<HD>(q, keys, values, capacity, start, heads, kv, chunk, scale, part_ml, part_acc,   \
-                               n_slots);                                                                        \
+      int chunk, float scale, float* part_ml, float* part_acc, int* arrivals, float* out, const float* gates,  \
+      long long gate_row_stride, int gated, u16* y_bf16, signed char* y_q, float* y_scale, int forms) {        \
+    attention_bf16<HD>(q, keys, values, capacity, start, heads, kv, chunk, scale, part_ml, part_acc, arrivals, \
+                       out, gates, gate_row_stride, gated, y_bf16, y_q, y_scale, forms);                       \
   }                                                                                                             \
   extern "C" __global__ void __launch_bounds__(128) attention_partial_q4_hd##HD(                               \
       const float* q, const float* signs, const u8* key_codes, const u16* key_scales, const u8* value_codes,   \
@@ -374,36 +403,52 @@ SPARSE_ATTENTION_PARTIALS(256)
 // Slots [0, n_plain) are in the model's basis, [n_plain, n_slots) rotated (q4 middle rows; signs
 // given). With `gated`, times sigmoid of query head h's gate, read in place from the stacked
 // projection's row t (gates + t * gate_row_stride + h * 2HD + HD: attention_gate's step), and also
-// in the emitted forms o_proj reads (common.cuh). Launch: grid (heads, T), block HD.
+// in the emitted forms o_proj reads (common.cuh). The block's threads stride over the HD dims; the
+// partials are read past L1 (they may come from other blocks of the same launch).
+__device__ void combine_head(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                             const float* __restrict__ signs, float* __restrict__ out, int HD, int h, int t, int heads,
+                             int n_plain, int n_slots, const float* __restrict__ gates, long long gate_row_stride,
+                             int gated, u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
+  __shared__ float plain_sums[256], rotated[256];
+  const size_t first = ((size_t)t * heads + h) * n_slots;
+  float M = NEG_INF, L = 0.0f;
+  for (int c = 0; c < n_slots; ++c) M = fmaxf(M, __ldcg(part_ml + 2 * (first + c)));
+  for (int c = 0; c < n_slots; ++c) {
+    const float m = __ldcg(part_ml + 2 * (first + c));
+    if (m != NEG_INF) L += expf(m - M) * __ldcg(part_ml + 2 * (first + c) + 1);  // an empty chunk adds nothing
+  }
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+    float plain = 0.0f, rot = 0.0f;
+    for (int c = 0; c < n_slots; ++c) {
+      const float m = __ldcg(part_ml + 2 * (first + c));
+      if (m == NEG_INF) continue;
+      const float a = expf(m - M) * __ldcg(part_acc + (first + c) * HD + i);
+      if (c < n_plain) plain += a; else rot += a;
+    }
+    plain_sums[i] = plain;
+    rotated[i] = rot;
+  }
+  if (n_slots > n_plain) block_fwht(rotated, HD);  // unrotate: (r @ H / sqrt(HD)) * signs
+  __syncthreads();
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+    float plain = plain_sums[i];
+    if (n_slots > n_plain) plain += rotated[i] * (1.0f / sqrtf((float)HD)) * signs[i];
+    float v = plain / L;
+    if (gated) v *= sigmoid_f(gates[(size_t)t * gate_row_stride + (size_t)h * 2 * HD + HD + i]);
+    const size_t at = ((size_t)t * heads + h) * HD + i;
+    out[at] = v;
+    emit_forms(v, at, forms, y_bf16, y_q, y_scale);
+  }
+}
+
+// Launch: grid (heads, T), block HD.
 extern "C" __global__ void attention_combine(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
                                              const float* __restrict__ signs, float* __restrict__ out, int HD,
                                              int n_plain, int n_slots, const float* __restrict__ gates,
                                              long long gate_row_stride, int gated, u16* y_bf16, signed char* y_q,
                                              float* y_scale, int forms) {
-  __shared__ float rotated[256];
-  const int h = blockIdx.x, t = blockIdx.y, heads = gridDim.x, i = threadIdx.x;
-  const size_t first = ((size_t)t * heads + h) * n_slots;
-  float M = NEG_INF;
-  for (int c = 0; c < n_slots; ++c) M = fmaxf(M, part_ml[2 * (first + c)]);
-  float L = 0.0f, plain = 0.0f, rot = 0.0f;
-  for (int c = 0; c < n_slots; ++c) {
-    const float m = part_ml[2 * (first + c)];
-    if (m == NEG_INF) continue;  // an empty chunk
-    const float w = expf(m - M);
-    L += w * part_ml[2 * (first + c) + 1];
-    const float a = w * part_acc[(first + c) * HD + i];
-    if (c < n_plain) plain += a; else rot += a;
-  }
-  if (n_slots > n_plain) {  // unrotate: (r @ H / sqrt(HD)) * signs
-    rotated[i] = rot;
-    block_fwht(rotated, HD);
-    plain += rotated[i] * (1.0f / sqrtf((float)HD)) * signs[i];
-  }
-  float v = plain / L;
-  if (gated) v *= sigmoid_f(gates[(size_t)t * gate_row_stride + (size_t)h * 2 * HD + HD + i]);
-  const size_t at = ((size_t)t * heads + h) * HD + i;
-  out[at] = v;
-  emit_forms(v, at, forms, y_bf16, y_q, y_scale);
+  combine_head(part_ml, part_acc, signs, out, HD, blockIdx.x, blockIdx.y, gridDim.x, n_plain, n_slots, gates,
+               gate_row_stride, gated, y_bf16, y_q, y_scale, forms);
 }
 
 // ------------------------------------------------------------------------- appending ---

@@ -935,10 +935,31 @@ def partials(kind: str, HD: int, grid, a, source_of_row) -> None:
             part_acc[t, :heads, slot] = np.einsum("hn,hnd->hd", p, values)
 
 
+def attention_bf16(HD: int):
+    """attention_bf16_hd<HD>: the bf16 partials of every block, then (the last chunk of each row and
+    head) attention_combine's output; the arrival counts are 0 at launch and left so."""
+    partial = attention_partial("bf16", HD)
+
+    def run(grid, block, a):
+        chunks, heads, T = grid
+        if np.any(take(a.arrivals, T * heads) != 0):
+            raise ValueError("attention_bf16: an arrival count is not 0 at launch")
+        a.n_slots = chunks  # one slot a chunk
+        partial(grid, block, a)
+        combine(a, heads, T, HD, chunks, chunks)
+
+    return run
+
+
 def attention_combine(grid, block, a):
-    heads, T, HD, n_plain, n_slots = grid[0], grid[1], int(a.HD), int(a.n_plain), int(a.n_slots)
-    if block[0] != HD:
+    if block[0] != int(a.HD):
         raise ValueError("attention_combine: a thread per output dimension")
+    combine(a, grid[0], grid[1], int(a.HD), int(a.n_plain), int(a.n_slots))
+
+
+def combine(a, heads: int, T: int, HD: int, n_plain: int, n_slots: int) -> None:
+    """attention.cu's combine_head for every head and row: the slots rescaled to one max and divided, the
+    rotated ones unrotated, gated and emitted where asked."""
     ml, acc = take(a.part_ml, T, heads, n_slots, 2), take(a.part_acc, T, heads, n_slots, HD)
     top, empty = ml[..., 0], ml[..., 0] == -np.inf
     with np.errstate(invalid="ignore"):
@@ -947,7 +968,7 @@ def attention_combine(grid, block, a):
     total = np.where(empty, np.float32(0), weight * ml[..., 1]).sum(axis=-1)
     out = weighted[:, :, :n_plain].sum(axis=2)
     if n_slots > n_plain:  # the rotated slots, unrotated: (r @ H / sqrt(HD)) * signs
-        out += (weighted[:, :, n_plain:].sum(axis=2) @ rotation(HD)) * take(a.signs, HD)
+        out = out + (weighted[:, :, n_plain:].sum(axis=2) @ rotation(HD)) * take(a.signs, HD)
     out = out / total[..., None]
     if int(a.gated):  # attention_gate's step, the gates read in place
         gates = take_rows(a.gates, T, heads * 2 * HD, int(a.gate_row_stride)).reshape(T, heads, 2 * HD)[..., HD:]
@@ -1073,8 +1094,9 @@ TWINS = {
     "quantize_int8_blocks": quantize_int8_blocks_twin, "rotate_quantize_int8": rotate_quantize_int8,
     **{f"int8_gemv_{codec}": int8_gemv(codec) for codec in INT8_CODECS}, "trellis_gemv": trellis_gemv,
     "causal_conv_silu": causal_conv_silu, **{f"deltanet_rows_dk{dk}": deltanet_rows(dk) for dk in (32, 64, 128)},
+    **{f"attention_bf16_hd{hd}": attention_bf16(hd) for hd in (64, 128, 256)},
     **{f"attention_partial_{kind}_hd{hd}": attention_partial(kind, hd) for hd in (64, 128, 256)
-       for kind in ("bf16", "q4", "exact")},
+       for kind in ("q4", "exact")},
     **{f"sparse_attention_partial_{kind}_hd{hd}": sparse_attention_partial(kind, hd) for hd in (64, 128, 256)
        for kind in ("bf16", "q4", "exact")},
     "attention_combine": attention_combine, "kv_append_bf16": kv_append_bf16, "kv_append_q4": kv_append_q4,
