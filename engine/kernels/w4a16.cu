@@ -146,8 +146,9 @@ __device__ void w4a16_gemm(const u32* __restrict__ packed, const u16* __restrict
   const bool mine = t < T && t < 8 * TILES;
   const size_t at = (size_t)t * N + row0 + r;
   float sum = 0.0f;
+  if (mine)
 #pragma unroll
-  for (int w = 0; w < W4_WARPS; ++w) sum += red[w][r][t];
+    for (int w = 0; w < W4_WARPS; ++w) sum += red[w][r][t];
   if (splits > 1) {
     // The tile's last split sums the partials in split order: its writes reach device scope before
     // its arrival counts (threadfence), and the last arrival reads them past L1 (ld.global.cg); it
