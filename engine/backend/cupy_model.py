@@ -461,7 +461,7 @@ ATTENTION_CACHES = (gb.KVCache, gb.Q4KVCache, gb.IndexedKVCache)  # cut back by 
 class GpuState:
     """engine.cache.SequenceState on the device: a cache per layer, the token count, what the
     captured cycles read (`inputs` int32 [1 + MAX_ROWS]: the position of row 0, then the tokens of a
-    short call) and the graphs captured for this state."""
+    short call), the graphs captured for this state and the one memory pool their temporaries share."""
 
     def __init__(self, layers: list):
         self.layers = layers
@@ -469,6 +469,7 @@ class GpuState:
         self.length_before_last_call = 0
         self.inputs = cp.zeros(1 + MAX_ROWS, cp.int32)
         self.graphs: dict[tuple, CycleGraph] = {}
+        self.graph_pool = cp.cuda.MemoryPool()
         self.graphs_version = -1  # the GpuOps.version the graphs were captured with
 
     def attention_caches(self) -> list:
@@ -509,12 +510,14 @@ class GpuState:
 
 class CycleGraph:
     """One short call of T rows captured as a CUDA graph: embedding of state.inputs' tokens, every
-    layer at state.inputs' position, final norm and logits [T, V]. Its temporaries come from a memory
-    pool of its own, kept as long as the graph, so no later allocation can land in memory a replay
-    writes."""
+    layer at state.inputs' position, final norm and logits [T, V]. Its temporaries come from its
+    state's graph pool, never the default one, so no allocation outside the graphs can land in
+    memory a replay writes. The state's graphs share that pool's scratch: one state's cycles run one
+    at a time, and what a replay hands back (hidden states, logits) stays held by its graph. One pool
+    a state caches the largest graph's scratch, not every graph's."""
 
     def __init__(self, ops: GpuOps, model, state: GpuState, T: int, past: int):
-        self.pool = cp.cuda.MemoryPool()
+        self.pool = state.graph_pool  # held as long as the graph
         stream = cp.cuda.Stream(non_blocking=True)
         with cp.cuda.using_allocator(self.pool.malloc), stream:
             stream.begin_capture()

@@ -173,7 +173,9 @@ def test_switching_route_and_rule_mid_reply_on_the_gpu(models, prompt, monkeypat
 @pytest.mark.parametrize("route", ["w4a16", "w4a8"])
 def test_captured_cycle_equals_the_uncaptured_one(models, prompt, monkeypatch, route, kv):
     """Verify passes of 1 and 4 rows with rollbacks, run uncaptured on one state and as graph replays
-    on another: the same logits, and the same state after keep()."""
+    on another: the same logits, and the same state after keep(). The graphs share their state's
+    memory pool (the prompt's 10 rows were captured too; on a GPU their scratch overlaps, and the
+    replays taking turns still agree)."""
     model = load(models["demo_int4"], route, "cupy", monkeypatch).model
     ops = model.ops
     plain, captured = model.new_state(kv), model.new_state(kv)
@@ -196,6 +198,7 @@ def test_captured_cycle_equals_the_uncaptured_one(models, prompt, monkeypatch, r
         plain.keep(kept)
         captured.keep(kept)
         assert plain.length == captured.length
+    assert len(captured.graphs) == 3 and all(graph.pool is captured.graph_pool for graph in captured.graphs.values())
 
 
 def test_forcing_the_gpu_without_one_is_one_line(tiny_model, monkeypatch):
