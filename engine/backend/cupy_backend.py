@@ -256,9 +256,8 @@ class SwiGLUW4A16Linear(W4A16Linear):
         if N % 32:
             raise ValueError(f"a gate | up of {N} rows does not split into 16-row tiles of 8 features")
         features = np.arange(N // 2).reshape(-1, 8)  # [tiles, 8]
-        order = np.concatenate([features, features + N // 2], axis=1).ravel()  # tile b: gate rows, then up rows
-        self.__dict__.update(linear.__dict__)
-        self.packed, self.scales = linear.packed[cp.asarray(order)], linear.scales[cp.asarray(order)]
+        order = cp.asarray(np.concatenate([features, features + N // 2], axis=1).ravel())  # tile b: gate rows, then up
+        super().__init__(W4Weight(linear.packed[order], linear.scales[order]))
 
     def __call__(self, x):
         raise TypeError("a SwiGLU gate | up runs through ops.swiglu (its rows are interleaved)")
@@ -649,14 +648,11 @@ def attend(q, cache: KVCache | Q4KVCache, start: cp.ndarray, past: int, gates=No
         chunks = _blocks(end, ATTENTION_CHUNK)
         part_ml = cp.empty((T, heads, chunks, 2), cp.float32)
         part_acc = cp.empty((T, heads, chunks, hd), cp.float32)
-        out = cp.empty((T, heads * hd), cp.float32)
-        gate_rows, gate_stride = _rows(gates.reshape(T, -1)) if gates is not None else (out, 0)  # ungated: unread
-        emit, result = _emitted(out, forms if gates is not None else 0)
+        out, tail, result = _combine_outputs(T, heads * hd, gates, forms)
         kernel("attention", f"attention_bf16_hd{hd}")(
             (chunks, heads, T), (128,),
             (q, cache.keys, cache.values, _i32(capacity), start, _i32(heads), _i32(kv), _i32(ATTENTION_CHUNK), scale,
-             part_ml, part_acc, cache.arrivals(T * heads), out, gate_rows, _i64(gate_stride), _i32(gates is not None),
-             *emit))
+             part_ml, part_acc, cache.arrivals(T * heads), out, *tail))
         return result
     else:
         kv, capacity = cache.key_codes.shape[0], cache.key_codes.shape[1]
@@ -682,13 +678,19 @@ def _combined(part_ml: cp.ndarray, part_acc: cp.ndarray, signs: cp.ndarray, n_pl
     """The partials' slots [T, heads, n_slots, ...] combined (the rotated ones, from n_plain on, unrotated) -> [T, heads * hd],
     gated and in the emitted forms with gates (attend)."""
     T, heads, _, hd = part_acc.shape
-    out = cp.empty((T, heads * hd), cp.float32)
+    out, tail, result = _combine_outputs(T, heads * hd, gates, forms)
+    kernel("attention", "attention_combine")((heads, T), (hd,),
+                                             (part_ml, part_acc, signs, out, _i32(hd), _i32(n_plain), _i32(n_slots), *tail))
+    return result
+
+
+def _combine_outputs(T: int, width: int, gates, forms: int) -> tuple[cp.ndarray, tuple, cp.ndarray | Activations]:
+    """A combine's output out [T, width], the arguments after it (gates with their row stride, whether
+    to gate, the emit arguments: forms only with gates) and what the call returns."""
+    out = cp.empty((T, width), cp.float32)
     gate_rows, gate_stride = _rows(gates.reshape(T, -1)) if gates is not None else (out, 0)  # ungated: unread
     emit, result = _emitted(out, forms if gates is not None else 0)
-    kernel("attention", "attention_combine")((heads, T), (hd,),
-                                             (part_ml, part_acc, signs, out, _i32(hd), _i32(n_plain), _i32(n_slots),
-                                              gate_rows, _i64(gate_stride), _i32(gates is not None), *emit))
-    return result
+    return out, (gate_rows, _i64(gate_stride), _i32(gates is not None), *emit), result
 
 
 # ------------------------------------------------------------------------ Flash-Next ---
