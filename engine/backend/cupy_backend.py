@@ -487,55 +487,51 @@ def attention_gate(attn, q_and_gate, head_dim: int, forms: int = 0) -> cp.ndarra
 
 # -------------------------------------------------------------------------- DeltaNet ---
 
+CONV_RING = 32  # deltanet.cu's: rows of a DeltaNet layer's conv history ring, >= KW - 1 + MAX_ROWS
+
+
 class DeltaNetState:
-    """Conv history [KW-1, C] and recurrent state [Hv, dk, dv] on the device, with the window and
-    the per-row states of the last short call for a rollback (engine.cache.DeltaNetState)."""
+    """The conv's history as a ring of positions [CONV_RING, C] (deltanet.cu: a call reads the
+    rows before its first position and writes its own, so a rollback needs no copy) and the recurrent
+    state [Hv, dk, dv] on the device, with the state after every row of the last short call for a
+    rollback (engine.cache.DeltaNetState)."""
 
     def __init__(self, channels: int, kernel_size: int, value_heads: int, key_dim: int, value_dim: int):
-        self.conv = cp.zeros((kernel_size - 1, channels), cp.float32)
+        if kernel_size - 1 + MAX_ROWS > CONV_RING:
+            raise ValueError(f"the GPU's DeltaNet conv takes up to {CONV_RING - MAX_ROWS + 1} taps, this model has {kernel_size}")
+        self.ring = cp.zeros((CONV_RING, channels), cp.float32)
         self.recurrent = cp.zeros((value_heads, key_dim, value_dim), cp.float32)
-        self.window = cp.zeros((kernel_size - 1 + MAX_ROWS, channels), cp.float32)
         self.row_states = cp.zeros((MAX_ROWS, value_heads, key_dim, value_dim), cp.float32)
 
     def keep(self, rows: int) -> None:
-        """Make the state after the first `rows` rows of the last call current."""
-        self.conv[...] = self.window[rows:rows + self.conv.shape[0]]
+        """Make the state after the first `rows` rows of the last call current (the ring's rows past
+        them are written again when their positions run again)."""
         self.recurrent[...] = self.row_states[rows - 1]
 
 
-def causal_conv(mixed, taps, state: DeltaNetState) -> cp.ndarray:
-    """Depthwise causal conv then SiLU over mixed [T, C] (T <= 16; rows may be wider: read in place),
-    taps [C, KW]; updates state."""
-    mixed, stride = _rows(mixed)
-    T, C = mixed.shape
-    out = cp.empty((T, C), cp.float32)
-    KW = taps.shape[1]
-    kernel("deltanet", "causal_conv_silu")((_blocks(C, 256),), (256,),
-                                           (mixed, device_f32(taps), state.conv, state.window, out, _i32(T), _i32(C),
-                                            _i32(KW), _i64(stride)))
-    return out
+def deltanet_rows(mixed, taps, Hk: int, dk: int, b, a, decay_rate, dt_bias, state: DeltaNetState, start) -> cp.ndarray:
+    """The causal conv then the gated delta rule row by row (T <= 16), S after every row kept in
+    state.row_states, in one launch.
 
-
-def delta_rule_rows(qk, Hk: int, dk: int, v, b, a, decay_rate, dt_bias, state: DeltaNetState) -> cp.ndarray:
-    """The gated delta rule row by row (T <= 16), S after every row kept in state.row_states.
-
-    qk [T, >= 2 Hk dk]: the conv output, its first Hk heads of dk the queries, the next Hk the keys,
-    raw: the kernel L2-normalises them (q also times dk^-0.5). v [T, Hv * dv]; b, a [T, Hv] raw
-    in_proj_b/a outputs (beta = sigmoid(b), g = decay_rate * softplus(a + dt_bias)); qk, v, b and a
-    may be columns of wider rows, read in place (b and a of the same rows). Returns [T, Hv, dv].
+    mixed [T, 2 Hk dk + Hv dv]: in_proj's q | k | v columns, before the conv (read in place from the
+    whole projection's rows); taps [C, KW]; start int32 [1] on the device: the position of row 0 (the
+    ring's row for it). b, a [T, Hv] raw in_proj_b/a outputs (beta = sigmoid(b), g = decay_rate *
+    softplus(a + dt_bias)), columns of the same wider rows. The kernel L2-normalises q and k (q also
+    times dk^-0.5). Returns [T, Hv, dv].
     """
-    (qk, qk_stride), (v, v_stride), (b, ba_stride), (a, a_stride) = _rows(qk), _rows(v), _rows(b), _rows(a)
+    (mixed, in_stride), (b, ba_stride), (a, a_stride) = _rows(mixed), _rows(b), _rows(a)
     if a_stride != ba_stride:  # the kernel takes one stride for both: compact rows of each
         b, a, ba_stride = cp.ascontiguousarray(b), cp.ascontiguousarray(a), b.shape[1]
     T, Hv = b.shape
-    dv = v.shape[1] // Hv
+    dv = (mixed.shape[1] - 2 * Hk * dk) // Hv
     if dk not in (32, 64, 128) or dv % 32:
         raise ValueError(f"deltanet kernel takes key dims 32, 64, 128 and value dims of 32s, got {dk}, {dv}")
     out = cp.empty((T, Hv, dv), cp.float32)
     kernel("deltanet", f"deltanet_rows_dk{dk}")((Hv, dv // 32), (128,),
-                                               (qk, v, b, a, device_f32(decay_rate), device_f32(dt_bias),
-                                                state.recurrent, state.row_states, out, _i32(T), _i32(Hk), _i32(Hv), _i32(dv),
-                                                _i64(qk_stride), _f32(dk ** -0.5), _i64(v_stride), _i64(ba_stride)))
+                                               (mixed, device_f32(taps), state.ring, start, b, a, device_f32(decay_rate),
+                                                device_f32(dt_bias), state.recurrent, state.row_states, out, _i32(T),
+                                                _i32(Hk), _i32(Hv), _i32(dv), _i32(taps.shape[1]), _i64(in_stride),
+                                                _f32(dk ** -0.5), _i64(ba_stride)))
     return out
 
 

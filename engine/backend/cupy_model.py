@@ -391,11 +391,8 @@ class GpuOps:
         # Column ranges of the projection, read in place by the kernels (no copies):
         mixed, z = projected[:, :channels], projected[:, channels : channels + hv * dv]
         b, a = projected[:, -2 * hv : -hv], projected[:, -hv:]  # [T, Hv]
-        parts = []
-        for piece, _, _ in rows.slices():
-            conv = gb.causal_conv(mixed[piece], layer.conv, state)  # [t, channels] after SiLU: q | k | v
-            parts.append(gb.delta_rule_rows(conv, hk, dk, conv[:, 2 * hk * dk:], b[piece], a[piece], layer.decay_rate,
-                                            layer.dt_bias, state))
+        parts = [gb.deltanet_rows(mixed[piece], layer.conv, hk, dk, b[piece], a[piece], layer.decay_rate, layer.dt_bias,
+                                  state, start) for piece, start, _ in rows.slices()]  # conv then rule, a launch a slice
         return gb.gated_rms_norm(_joined(parts), z, layer.norm, c.rms_norm_eps, sigmoid=c.output_gate != "silu",
                                  forms=self.forms)  # [T, Hv * dv], for out_proj
 

@@ -28,7 +28,7 @@ KERNELS = {
     "dense": ("bf16_gemv", "bf16_swiglu", "embed_bf16"),
     "w4a8": ("quantize_int8_blocks", "rotate_quantize_int8", "int8_gemv_w4", "int8_gemv_q8_0", "int8_gemv_q4_0",
              "int8_gemv_iq4_xs", "trellis_gemv"),
-    "deltanet": ("causal_conv_silu", "deltanet_rows_dk32", "deltanet_rows_dk64", "deltanet_rows_dk128"),
+    "deltanet": ("deltanet_rows_dk32", "deltanet_rows_dk64", "deltanet_rows_dk128"),
     "attention": tuple(f"attention_{kind}_hd{hd}" for hd in (64, 128, 256)
                        for kind in ("bf16", "partial_q4", "partial_exact"))
                  + tuple(f"sparse_attention_partial_{kind}_hd{hd}" for hd in (64, 128, 256) for kind in ("bf16", "q4", "exact"))

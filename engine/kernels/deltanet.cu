@@ -1,52 +1,68 @@
 // Gated DeltaNet for short calls (a decode step or a verify of 1 + k rows): the causal depthwise
-// conv and the recurrent rule token by token, keeping the state after every row so the verify can
-// roll back to any row (engine/model.py causal_conv, delta_rule_rows; engine/cache.py).
+// conv and the recurrent rule token by token in one launch, keeping the state after every row so the
+// verify can roll back to any row (engine/model.py; engine/backend/cpu_ops.py causal_conv,
+// delta_rule_rows; engine/cache.py).
 #include "common.cuh"
 
 // ------------------------------------------------------------------------- causal conv ---
-// mixed [T, C] (in_proj_qkv's output; row t at mixed + t * in_stride, so it may sit inside the
-// wider rows of the whole in_proj output), taps [C, KW] oldest input first, conv_state [KW-1, C].
-// window [KW-1+T, C] <- conv_state rows then mixed rows (kept for a rollback: the state after row
-// n is window[n : n + KW-1]); out[t, c] = silu(sum_j window[t + j, c] * taps[c, j]), summed
-// j = 0, 1, ... with separate multiply and add roundings as numpy does them; conv_state <- the
-// last KW-1 window rows. One thread per channel. Launch: grid ceil(C / 256), block 256.
-extern "C" __global__ void causal_conv_silu(const float* __restrict__ mixed, const float* __restrict__ taps,
-                                            float* __restrict__ conv_state, float* __restrict__ window,
-                                            float* __restrict__ out, int T, int C, int KW, long long in_stride) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  for (int j = 0; j < KW - 1; ++j) window[(size_t)j * C + c] = conv_state[(size_t)j * C + c];
-  for (int t = 0; t < T; ++t) window[(size_t)(KW - 1 + t) * C + c] = mixed[(size_t)t * in_stride + c];
-  for (int t = 0; t < T; ++t) {
-    float sum = 0.0f;
-    for (int j = 0; j < KW; ++j) sum = __fadd_rn(sum, __fmul_rn(window[(size_t)(t + j) * C + c], taps[c * KW + j]));
-    out[(size_t)t * C + c] = silu_f(sum);
+// The conv's history is a ring of positions: ring [CONV_RING, C] holds the input (in_proj's q | k | v
+// columns) of position p in row p mod CONV_RING. A call at positions P .. P + T - 1 reads rows P - KW + 1
+// .. P - 1 from the ring and writes rows P .. P + T - 1 into it; with CONV_RING >= KW - 1 + T those rows
+// never meet, so the blocks of one launch read the history while others write the new rows (no race,
+// no second launch), and a rollback to n rows needs no copy: the next call starts at P + n and reads
+// rows written before it. Rows of positions below 0 hold zeros (the ring starts zeroed).
+//
+#define CONV_RING 32  // a power of two (a row is a mask away; a division by a runtime value spilled registers)
+                      // >= KW - 1 + MAX_ROWS for conv kernels up to 17 taps
+
+__device__ __forceinline__ int ring_row(int position) { return position & (CONV_RING - 1); }
+
+// conv_silu: silu(sum_j x(t - (KW - 1) + j, c) * taps[c, j]) for row t of the call and channel c, x(r)
+// the call's row r (r >= 0: mixed + r * in_stride) or position P + r's ring row; summed j = 0, 1, ...
+// with separate multiply and add roundings, as numpy does them (engine/backend/cpu_ops.causal_conv).
+__device__ __forceinline__ float conv_silu(const float* __restrict__ mixed, const float* __restrict__ taps,
+                                           const float* __restrict__ ring, int P, int t, int c, int C, int KW,
+                                           long long in_stride) {
+  float sum = 0.0f;
+  for (int j = 0; j < KW; ++j) {
+    const int r = t - (KW - 1) + j;
+    const float x = r >= 0 ? mixed[(size_t)r * in_stride + c] : ring[(size_t)ring_row(P + r) * C + c];
+    sum = __fadd_rn(sum, __fmul_rn(x, taps[(size_t)c * KW + j]));
   }
-  for (int j = 0; j < KW - 1; ++j) conv_state[(size_t)j * C + c] = window[(size_t)(T + j) * C + c];
+  return silu_f(sum);
+}
+
+// The call's rows of channel c into the ring (by the one block that owns c).
+__device__ __forceinline__ void conv_to_ring(const float* __restrict__ mixed, float* __restrict__ ring, int P, int T,
+                                             int c, int C, long long in_stride) {
+  for (int t = 0; t < T; ++t) ring[(size_t)ring_row(P + t) * C + c] = mixed[(size_t)t * in_stride + c];
 }
 
 // --------------------------------------------------------------------- recurrent rule ---
 // Per value head h (key head h / (Hv / Hk), repeat-interleave) and row t:
 //   beta = sigmoid(b[t, h]);  g = decay_rate[h] * softplus(a[t, h] + dt_bias[h])
 //   S = e^g S;  u = beta (v - S^T k);  S = S + k u^T;  o = S^T q
-// q and k are read raw from the conv output, row t at qk + t * qk_stride (key head hk's query at
-// column hk * DK, its key at (Hk + hk) * DK), and L2-normalised here (eps 1e-6; q also times q_scale =
-// DK^-0.5), as engine/backend/cpu_ops.l2_normalize: no launch of their own. v [T, Hv, DV] with row t
-// at v + t * v_stride, b and a [T, Hv] with row t at + t * ba_stride (all read in place from wider
-// rows: the conv output, the in_proj output); S [Hv, DK, DV] fp32, updated in place; snapshots
+// with q | k | v the causal conv (conv_silu) of in_proj's rows: mixed [T, C = 2 Hk DK + Hv DV] with row
+// t at mixed + t * in_stride (read in place from the whole in_proj output), taps [C, KW], ring as
+// above, the call's first position at *start. q and k (key head hk's query at channel hk * DK, its key
+// at (Hk + hk) * DK) are L2-normalised here (eps 1e-6; q also times q_scale = DK^-0.5), as
+// engine/backend/cpu_ops.l2_normalize: no launch of their own. b and a [T, Hv] with row t at
+// + t * ba_stride (in place from wider rows); S [Hv, DK, DV] fp32, updated in place; snapshots
 // [T, Hv, DK, DV] receives S after every row; out [T, Hv, DV].
 //
 // A block owns 32 value columns of one head: thread (j = tid / 4, part = tid % 4) holds column j's
 // rows part, part + 4, ..., in registers for the whole call, so S is read once and written once
 // (plus the snapshots). The four parts of a column are adjacent lanes: S^T k and S^T q are two
 // shuffles. For a fixed register the warp touches 4 rows x 8 consecutive columns: whole 32-byte
-// sectors. Launch: grid (Hv, DV / 32), block 128.
+// sectors. Each block convolves the channels it reads (a key head's q and k again in each of its
+// blocks: 2 DK x KW products a row); the first block of a key head's first value head writes q and k
+// into the ring, each block its value columns. Launch: grid (Hv, DV / 32), block 128.
 template <int DK>
-__device__ void deltanet_rows(const float* __restrict__ qk_rows, const float* __restrict__ v,
-                              const float* __restrict__ b, const float* __restrict__ a,
+__device__ void deltanet_rows(const float* __restrict__ mixed, const float* __restrict__ taps, float* __restrict__ ring,
+                              const int* __restrict__ start, const float* __restrict__ b, const float* __restrict__ a,
                               const float* __restrict__ decay_rate, const float* __restrict__ dt_bias,
                               float* __restrict__ state, float* __restrict__ snapshots, float* __restrict__ out,
-                              int T, int Hk, int Hv, int DV, long long qk_stride, float q_scale, long long v_stride,
+                              int T, int Hk, int Hv, int DV, int KW, long long in_stride, float q_scale,
                               long long ba_stride) {
   constexpr int R = DK / 4;  // rows per thread
   __shared__ float qk[2][DK];
@@ -54,6 +70,8 @@ __device__ void deltanet_rows(const float* __restrict__ qk_rows, const float* __
   const int h = blockIdx.x, hk = h / (Hv / Hk);
   const int j = threadIdx.x / 4, part = threadIdx.x % 4;
   const int col = blockIdx.y * 32 + j;
+  const int C = 2 * Hk * DK + Hv * DV, P = *start;
+  const int q_channel = hk * DK + threadIdx.x, k_channel = (Hk + hk) * DK + threadIdx.x, v_channel = 2 * Hk * DK + h * DV + col;
   float* S = state + (size_t)h * DK * DV;
   float s[R];
 #pragma unroll
@@ -62,9 +80,8 @@ __device__ void deltanet_rows(const float* __restrict__ qk_rows, const float* __
   for (int t = 0; t < T; ++t) {
     // this row's query and key, one element a thread (DK <= 128 = blockDim), normalised over the head;
     // block_sum's first barrier also ends the previous row's reads of qk
-    const float* row = qk_rows + (size_t)t * qk_stride;
-    const float qv = threadIdx.x < DK ? row[(size_t)hk * DK + threadIdx.x] : 0.0f;
-    const float kv = threadIdx.x < DK ? row[(size_t)(Hk + hk) * DK + threadIdx.x] : 0.0f;
+    const float qv = threadIdx.x < DK ? conv_silu(mixed, taps, ring, P, t, q_channel, C, KW, in_stride) : 0.0f;
+    const float kv = threadIdx.x < DK ? conv_silu(mixed, taps, ring, P, t, k_channel, C, KW, in_stride) : 0.0f;
     const float q_norm = sqrtf(block_sum(qv * qv, scratch) + 1e-6f);
     const float k_norm = sqrtf(block_sum(kv * kv, scratch) + 1e-6f);
     if (threadIdx.x < DK) {
@@ -82,7 +99,8 @@ __device__ void deltanet_rows(const float* __restrict__ qk_rows, const float* __
     }
     pred += __shfl_xor_sync(0xffffffffu, pred, 1);
     pred += __shfl_xor_sync(0xffffffffu, pred, 2);
-    const float u = (v[(size_t)t * v_stride + (size_t)h * DV + col] - pred) * beta;
+    const float v = conv_silu(mixed, taps, ring, P, t, v_channel, C, KW, in_stride);
+    const float u = (v - pred) * beta;
     float o = 0.0f;
 #pragma unroll
     for (int i = 0; i < R; ++i) {
@@ -98,15 +116,21 @@ __device__ void deltanet_rows(const float* __restrict__ qk_rows, const float* __
   }
 #pragma unroll
   for (int i = 0; i < R; ++i) S[(size_t)(part + 4 * i) * DV + col] = s[i];
+  // the call's rows into the ring: rows no block of this launch reads (see conv_silu)
+  if (h % (Hv / Hk) == 0 && blockIdx.y == 0 && threadIdx.x < DK) {
+    conv_to_ring(mixed, ring, P, T, q_channel, C, in_stride);
+    conv_to_ring(mixed, ring, P, T, k_channel, C, in_stride);
+  }
+  if (part == 0) conv_to_ring(mixed, ring, P, T, v_channel, C, in_stride);
 }
 
-#define DELTANET_ROWS(DK)                                                                                   \
-  extern "C" __global__ void __launch_bounds__(128) deltanet_rows_dk##DK(                                  \
-      const float* qk, const float* v, const float* b, const float* a, const float* decay_rate,             \
-      const float* dt_bias, float* state, float* snapshots, float* out, int T, int Hk, int Hv, int DV,      \
-      long long qk_stride, float q_scale, long long v_stride, long long ba_stride) {                        \
-    deltanet_rows<DK>(qk, v, b, a, decay_rate, dt_bias, state, snapshots, out, T, Hk, Hv, DV, qk_stride,    \
-                      q_scale, v_stride, ba_stride);                                                        \
+#define DELTANET_ROWS(DK)                                                                                       \
+  extern "C" __global__ void __launch_bounds__(128) deltanet_rows_dk##DK(                                      \
+      const float* mixed, const float* taps, float* ring, const int* start, const float* b, const float* a,     \
+      const float* decay_rate, const float* dt_bias, float* state, float* snapshots, float* out, int T, int Hk, \
+      int Hv, int DV, int KW, long long in_stride, float q_scale, long long ba_stride) {                        \
+    deltanet_rows<DK>(mixed, taps, ring, start, b, a, decay_rate, dt_bias, state, snapshots, out, T, Hk, Hv, DV, \
+                      KW, in_stride, q_scale, ba_stride);                                                       \
   }
 DELTANET_ROWS(32)
 DELTANET_ROWS(64)

@@ -700,38 +700,42 @@ def trellis_gemv(grid, block, a):
     take(a.out, T, N)[:, :rows] = cpu._trellis_rows(*weight.decode_rows(0, rows), q, take(a.ascale, T, K // 128))
 
 
-def causal_conv_silu(grid, block, a):
-    T, C, KW = int(a.T), int(a.C), int(a.KW)
-    c = min(C, threads(grid, block))  # a thread per channel
-    history = take(a.conv_state, KW - 1, C)
-    state = SimpleNamespace(conv=history.copy())
-    out = cpu_ops.causal_conv(take_rows(a.mixed, T, C, int(a.in_stride)), take(a.taps, C, KW), state)
-    take(a.window, KW - 1 + T, C)[:, :c] = state.window[:, :c]
-    take(a.out, T, C)[:, :c] = out[:, :c]
-    history[:, :c] = state.conv[:, :c]
-
-
 def deltanet_rows(DK: int):
-    """deltanet_rows_dk<DK>: block (head h, 32 value columns); S, the snapshot after every row and the
-    output, by engine.model.delta_rule_rows."""
+    """deltanet_rows_dk<DK>: block (head h, 32 value columns); the causal conv over the ring's history
+    (by engine.backend.cpu_ops.causal_conv), then S, the snapshot after every row and the output, by
+    cpu_ops.delta_rule_rows; the call's rows into the ring for the channels the grid's blocks own."""
 
     def run(grid, block, a):
         if block[0] != 128:
             raise ValueError("deltanet_rows: four threads per value column, 32 columns: blocks of 128")
-        T, Hk, Hv, DV = int(a.T), int(a.Hk), int(a.Hv), int(a.DV)
+        T, Hk, Hv, DV, KW, R = int(a.T), int(a.Hk), int(a.Hv), int(a.DV), int(a.KW), constant("deltanet", "CONV_RING")
+        if R < KW - 1 + T:
+            raise ValueError(f"deltanet_rows: a ring of {R} rows cannot hold {KW - 1} rows of history and {T} new ones apart")
         heads, cols = min(Hv, grid[0]), min(DV, 32 * grid[1])
-        qk = take_rows(a.qk, T, 2 * Hk * DK, int(a.qk_stride)).reshape(T, 2, Hk, DK)  # raw, normalised here
+        C, P = 2 * Hk * DK + Hv * DV, int(take(a.start, 1)[0])
+        mixed, ring = take_rows(a.mixed, T, C, int(a.in_stride)), take(a.ring, R, C)
+        history = SimpleNamespace(conv=ring[(P - KW + 1 + np.arange(KW - 1)) % R])  # positions P - KW + 1 .. P - 1
+        conv = cpu_ops.causal_conv(mixed, take(a.taps, C, KW), history)
+        qk = conv[:, : 2 * Hk * DK].reshape(T, 2, Hk, DK)  # normalised here
         q, k = cpu_ops.l2_normalize(qk[:, 0]) * a.q_scale, cpu_ops.l2_normalize(qk[:, 1])
         q, k = (np.repeat(x, Hv // Hk, axis=1) for x in (q, k))  # value head h reads key head h // (Hv / Hk)
         beta = cpu_ops.sigmoid(take_rows(a.b, T, Hv, int(a.ba_stride)))
         log_decay = take(a.decay_rate, Hv) * cpu_ops.softplus(take_rows(a.a, T, Hv, int(a.ba_stride)) + take(a.dt_bias, Hv))
         S = take(a.state, Hv, DK, DV)
         state = SimpleNamespace(recurrent=S.copy())
-        v = take_rows(a.v, T, Hv * DV, int(a.v_stride)).reshape(T, Hv, DV)
+        v = conv[:, 2 * Hk * DK :].reshape(T, Hv, DV)
         out = cpu_ops.delta_rule_rows(q, k, v, beta, log_decay, state)
         take(a.out, T, Hv, DV)[:, :heads, :cols] = out[:, :heads, :cols]
         take(a.snapshots, T, Hv, DK, DV)[:, :heads, :, :cols] = np.stack(state.row_states)[:, :heads, :, :cols]
         S[:heads, :, :cols] = state.recurrent[:heads, :, :cols]
+        slots = (P + np.arange(T)) % R
+        for hk in range(Hk):
+            if hk * (Hv // Hk) < heads:  # the first block of the key head's first value head writes its q and k
+                for channel in (hk * DK, (Hk + hk) * DK):
+                    ring[slots, channel : channel + DK] = mixed[:, channel : channel + DK]
+        for h in range(heads):
+            first = 2 * Hk * DK + h * DV
+            ring[slots, first : first + cols] = mixed[:, first : first + cols]
 
     return run
 
@@ -1093,7 +1097,7 @@ TWINS = {
     "f32_to_bf16_bits": f32_to_bf16_bits_twin,
     "quantize_int8_blocks": quantize_int8_blocks_twin, "rotate_quantize_int8": rotate_quantize_int8,
     **{f"int8_gemv_{codec}": int8_gemv(codec) for codec in INT8_CODECS}, "trellis_gemv": trellis_gemv,
-    "causal_conv_silu": causal_conv_silu, **{f"deltanet_rows_dk{dk}": deltanet_rows(dk) for dk in (32, 64, 128)},
+    **{f"deltanet_rows_dk{dk}": deltanet_rows(dk) for dk in (32, 64, 128)},
     **{f"attention_bf16_hd{hd}": attention_bf16(hd) for hd in (64, 128, 256)},
     **{f"attention_partial_{kind}_hd{hd}": attention_partial(kind, hd) for hd in (64, 128, 256)
        for kind in ("q4", "exact")},

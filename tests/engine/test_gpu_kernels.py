@@ -172,9 +172,9 @@ def test_w4a8_refuses_block_types_without_a_device_decoder():
 def test_ops_refuse_shapes_their_kernels_do_not_take():
     with pytest.raises(ValueError, match="N % 16 == 0"):
         gb.W4A16Linear(random_w4(40, 128, 0))
-    qk, v, gates = np.zeros((1, 32), np.float32), np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32)
+    mixed, taps, gates = np.zeros((1, 64), np.float32), np.zeros((64, 4), np.float32), np.zeros((1, 1), np.float32)
     with pytest.raises(ValueError, match="key dims 32, 64, 128"):
-        gb.delta_rule_rows(qk, 1, 16, v, gates, gates, gates[0], gates[0], gb.DeltaNetState(64, 4, 1, 16, 32))
+        gb.deltanet_rows(mixed, taps, 1, 16, gates, gates, gates[0], gates[0], gb.DeltaNetState(64, 4, 1, 16, 32), None)
 
 
 def test_linears_report_their_weights_shape():
@@ -214,55 +214,51 @@ def test_trellis_matches_cpu(T, k):
 # --------------------------------------------------------------------- DeltaNet ---
 
 @pytest.mark.parametrize("dk,dv,hk,hv", [(32, 64, 2, 4), (128, 128, 16, 48)])
-def test_deltanet_rows_and_snapshots_match_cpu(dk, dv, hk, hv, cp):
+def test_deltanet_rows_conv_and_rule_match_cpu_and_roll_back(dk, dv, hk, hv, cp):
+    """The conv over the ring's history and the rule in one launch, against the CPU's causal_conv and
+    delta_rule_rows: outputs, the state after every row, and a rollback to two rows after which the
+    next call (reading its history from the ring) continues as the CPU that saw only those rows."""
     rng = np.random.default_rng(dk)
-    T = 5
-    raw_q, raw_k = (rng.standard_normal((T, hk, dk)).astype(np.float32) * 3 for _ in range(2))
-    q = l2_normalize(raw_q) * np.float32(dk ** -0.5)  # the kernel normalises the conv output's heads itself
-    k = l2_normalize(raw_k)
-    v = rng.standard_normal((T, hv, dv)).astype(np.float32)
-    b, a = rng.standard_normal((T, hv)).astype(np.float32), rng.standard_normal((T, hv)).astype(np.float32)
+    T, KW, C = 5, 4, 2 * hk * dk + hv * dv
+    mixed = rng.standard_normal((2, T, C)).astype(np.float32)  # two calls' in_proj q | k | v columns
+    taps = rng.standard_normal((C, KW)).astype(np.float32)
+    b, a = rng.standard_normal((2, T, hv)).astype(np.float32), rng.standard_normal((2, T, hv)).astype(np.float32)
     decay_rate = -np.exp(rng.standard_normal(hv).astype(np.float32))
     dt_bias = rng.standard_normal(hv).astype(np.float32)
+    history = rng.standard_normal((KW - 1, C)).astype(np.float32)
     start = rng.standard_normal((hv, dk, dv)).astype(np.float32) * 0.1
 
-    cpu_state = DeltaNetState(8, 4, hv, dk, dv)
-    cpu_state.recurrent = start.copy()
-    log_decay = decay_rate * np.logaddexp(0.0, a + dt_bias).astype(np.float32)
-    want = delta_rule_rows(np.repeat(q, hv // hk, axis=1), np.repeat(k, hv // hk, axis=1), v, sigmoid(b), log_decay, cpu_state)
+    def cpu_call(state: DeltaNetState, call: int, rows: int):
+        conv = causal_conv(mixed[call, :rows], taps, state)
+        q, k = (l2_normalize(conv[:, i * hk * dk : (i + 1) * hk * dk].reshape(rows, hk, dk)) for i in range(2))
+        q, k = np.repeat(q * np.float32(dk ** -0.5), hv // hk, axis=1), np.repeat(k, hv // hk, axis=1)
+        log_decay = decay_rate * np.logaddexp(0.0, a[call, :rows] + dt_bias).astype(np.float32)
+        return delta_rule_rows(q, k, conv[:, 2 * hk * dk :].reshape(rows, hv, dv), sigmoid(b[call, :rows]), log_decay, state)
 
-    state = gb.DeltaNetState(8, 4, hv, dk, dv)
-    state.recurrent[...] = cp.asarray(start)
-    # q | k | v (the conv output), b and a read in place from wider rows, as the model passes columns of its projections
-    qk = np.concatenate([raw_q.reshape(T, hk * dk), raw_k.reshape(T, hk * dk)], axis=1)
-    wide = cp.asarray(np.concatenate([qk, v.reshape(T, hv * dv), b, a, np.full((T, 3), np.nan, np.float32)], axis=1))
-    v0 = 2 * hk * dk
-    v_in, b_in, a_in = wide[:, v0:v0 + hv * dv], wide[:, v0 + hv * dv:v0 + hv * dv + hv], wide[:, v0 + hv * dv + hv:v0 + hv * dv + 2 * hv]
-    got = host(gb.delta_rule_rows(wide, hk, dk, v_in, b_in, a_in, decay_rate, dt_bias, state))
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    P = 40  # the history's positions 37..39 sit in the ring's rows for them
+    state = gb.DeltaNetState(C, KW, hv, dk, dv)
+    ring = np.zeros(state.ring.shape, np.float32)
+    ring[np.arange(P - KW + 1, P) % ring.shape[0]] = history
+    state.ring[...], state.recurrent[...] = cp.asarray(ring), cp.asarray(start)
+
+    def gpu_call(call: int, position: int):
+        # q | k | v, b and a read in place from wider rows, as the model passes columns of its projection
+        wide = cp.asarray(np.concatenate([mixed[call], b[call], a[call], np.full((T, 3), np.nan, np.float32)], axis=1))
+        return host(gb.deltanet_rows(wide[:, :C], taps, hk, dk, wide[:, C:C + hv], wide[:, C + hv:C + 2 * hv], decay_rate,
+                                     dt_bias, state, cp.asarray([position], dtype=cp.int32)))
+
+    cpu_state = DeltaNetState(C, KW, hv, dk, dv)
+    cpu_state.conv, cpu_state.recurrent = history.copy(), start.copy()
+    want = cpu_call(cpu_state, 0, T)
+    np.testing.assert_allclose(gpu_call(0, P), want, rtol=1e-4, atol=1e-5)
     for t in range(T):
         np.testing.assert_allclose(host(state.row_states[t]), cpu_state.row_states[t], rtol=1e-4, atol=1e-5)
     state.keep(2)
-    np.testing.assert_allclose(host(state.recurrent), cpu_state.row_states[1], rtol=1e-4, atol=1e-5)
-
-
-def test_causal_conv_matches_cpu_and_rolls_back(cp):
-    rng = np.random.default_rng(3)
-    T, C, KW = 4, 96, 4
-    mixed = rng.standard_normal((T, C)).astype(np.float32)
-    taps = rng.standard_normal((C, KW)).astype(np.float32)
-    history = rng.standard_normal((KW - 1, C)).astype(np.float32)
-    cpu_state = DeltaNetState(C, KW, 1, 32, 32)
-    cpu_state.conv = history.copy()
-    want = causal_conv(mixed, taps, cpu_state)
-    state = gb.DeltaNetState(C, KW, 1, 32, 32)
-    state.conv[...] = cp.asarray(history)
-    wide = cp.asarray(np.concatenate([mixed, np.full((T, 5), np.nan, np.float32)], axis=1))  # read in place
-    got = host(gb.causal_conv(wide[:, :C], taps, state))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # the conv sums are bit-exact; silu's expf is not
-    assert np.array_equal(host(state.conv), cpu_state.conv)
-    state.keep(2)  # the conv history after the first two rows (the CPU state has no row states to keep here)
-    assert np.array_equal(host(state.conv), np.concatenate([history, mixed])[2:2 + KW - 1])
+    kept = DeltaNetState(C, KW, hv, dk, dv)
+    kept.conv, kept.recurrent = history.copy(), start.copy()
+    cpu_call(kept, 0, 2)
+    np.testing.assert_allclose(host(state.recurrent), kept.recurrent, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(gpu_call(1, P + 2), cpu_call(kept, 1, T), rtol=1e-4, atol=1e-5)
 
 
 # -------------------------------------------------------------------- attention ---
