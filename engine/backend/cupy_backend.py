@@ -406,20 +406,6 @@ def add_rms_norm(x, delta, weight, eps: float, forms: int = 0) -> tuple[cp.ndarr
     return total, normed
 
 
-def gated_rms_norm(x, z, weight, eps: float, sigmoid: bool = False, forms: int = 0) -> cp.ndarray | Activations:
-    """DeltaNet's gated norm per value head: x [T, heads, D], z [T, heads * D] (rows may be wider:
-    read in place) -> rms_norm(x, w) * silu(z) [T, heads * D]; sigmoid(z) with `sigmoid` (Flash-Next's
-    gate); also in the emitted `forms` (then Activations) for out_proj. D % 32 == 0 for int8."""
-    x = device_f32(x)
-    T, heads, D = x.shape
-    z, z_stride = _rows(z)
-    y = cp.empty((T, heads * D), cp.float32)
-    emit, out = _emitted(y, forms if D % 32 == 0 else forms & ~EMIT_INT8)
-    kernel("norms", "gated_rms_norm_sigmoid" if sigmoid else "gated_rms_norm")(
-        (T * heads,), (128,), (x, z, device_f32(weight), y, _i32(D), _f32(eps), _i32(heads), _i64(z_stride), *emit))
-    return out
-
-
 def _rows(x) -> tuple[cp.ndarray, int]:
     """A 2-D fp32 input a kernel reads row by row in place, and its row stride in elements: columns
     taken from wider rows cost no copy."""
@@ -502,6 +488,7 @@ class DeltaNetState:
         self.ring = cp.zeros((CONV_RING, channels), cp.float32)
         self.recurrent = cp.zeros((value_heads, key_dim, value_dim), cp.float32)
         self.row_states = cp.zeros((MAX_ROWS, value_heads, key_dim, value_dim), cp.float32)
+        self.arrivals = cp.zeros(value_heads, cp.int32)  # a head's column blocks done, 0 between launches
 
     def keep(self, rows: int) -> None:
         """Make the state after the first `rows` rows of the last call current (the ring's rows past
@@ -509,30 +496,41 @@ class DeltaNetState:
         self.recurrent[...] = self.row_states[rows - 1]
 
 
-def deltanet_rows(mixed, taps, Hk: int, dk: int, b, a, decay_rate, dt_bias, state: DeltaNetState, start) -> cp.ndarray:
-    """The causal conv then the gated delta rule row by row (T <= 16), S after every row kept in
-    state.row_states, in one launch.
+def deltanet(mixed, z, b, a, layer, Hk: int, dk: int, state: DeltaNetState, slices, eps: float, sigmoid: bool = False,
+             forms: int = 0) -> cp.ndarray | Activations:
+    """Gated DeltaNet's core for a call's rows, a launch a slice of <= 16 rows (slices: (rows, start)
+    pairs, start int32 [1] on the device: the position of the slice's first row): the causal conv, the
+    gated delta rule row by row (S after every row kept in state.row_states) and the gated norm, in one
+    launch (deltanet.cu).
 
-    mixed [T, 2 Hk dk + Hv dv]: in_proj's q | k | v columns, before the conv (read in place from the
-    whole projection's rows); taps [C, KW]; start int32 [1] on the device: the position of row 0 (the
-    ring's row for it). b, a [T, Hv] raw in_proj_b/a outputs (beta = sigmoid(b), g = decay_rate *
-    softplus(a + dt_bias)), columns of the same wider rows. The kernel L2-normalises q and k (q also
-    times dk^-0.5). Returns [T, Hv, dv].
+    mixed [T, 2 Hk dk + Hv dv]: in_proj's q | k | v columns before the conv; z [T, Hv dv]; b, a [T, Hv]
+    raw in_proj_b/a outputs (beta = sigmoid(b), g = decay_rate * softplus(a + dt_bias)); all columns
+    of the same wider rows, read in place. layer: its conv taps [C, KW], decay_rate, dt_bias and norm
+    weight. Returns norm(o) * silu(z) (sigmoid(z) with `sigmoid`) [T, Hv dv], also in the emitted
+    `forms` (then Activations) for out_proj.
     """
-    (mixed, in_stride), (b, ba_stride), (a, a_stride) = _rows(mixed), _rows(b), _rows(a)
+    (mixed, in_stride), (z, z_stride), (b, ba_stride), (a, a_stride) = _rows(mixed), _rows(z), _rows(b), _rows(a)
     if a_stride != ba_stride:  # the kernel takes one stride for both: compact rows of each
         b, a, ba_stride = cp.ascontiguousarray(b), cp.ascontiguousarray(a), b.shape[1]
     T, Hv = b.shape
-    dv = (mixed.shape[1] - 2 * Hk * dk) // Hv
+    dv = z.shape[1] // Hv
     if dk not in (32, 64, 128) or dv % 32:
         raise ValueError(f"deltanet kernel takes key dims 32, 64, 128 and value dims of 32s, got {dk}, {dv}")
-    out = cp.empty((T, Hv, dv), cp.float32)
-    kernel("deltanet", f"deltanet_rows_dk{dk}")((Hv, dv // 32), (128,),
-                                               (mixed, device_f32(taps), state.ring, start, b, a, device_f32(decay_rate),
-                                                device_f32(dt_bias), state.recurrent, state.row_states, out, _i32(T),
-                                                _i32(Hk), _i32(Hv), _i32(dv), _i32(taps.shape[1]), _i64(in_stride),
-                                                _f32(dk ** -0.5), _i64(ba_stride)))
-    return out
+    taps = device_f32(layer.conv)
+    y = cp.empty((T, Hv * dv), cp.float32)
+    (y_bf16, y_q, y_scale, emit), result = _emitted(y, forms)
+    for piece, start in slices:  # each slice writes its rows of y and of the forms it emits
+        t = piece.stop - piece.start
+        o = cp.empty((t, Hv, dv), cp.float32)
+        rows_of = lambda form, flag: form[piece] if int(emit) & flag else form  # noqa: E731 (a stand-in stays whole)
+        kernel("deltanet", f"deltanet_rows_dk{dk}")(
+            (Hv, dv // 32), (128,),
+            (mixed[piece], taps, state.ring, start, b[piece], a[piece], device_f32(layer.decay_rate),
+             device_f32(layer.dt_bias), state.recurrent, state.row_states, o, z[piece], device_f32(layer.norm), _f32(eps),
+             _i32(sigmoid), y[piece], rows_of(y_bf16, EMIT_BF16), rows_of(y_q, EMIT_INT8), rows_of(y_scale, EMIT_INT8), emit,
+             state.arrivals, _i32(t), _i32(Hk), _i32(Hv), _i32(dv), _i32(taps.shape[1]), _i64(in_stride),
+             _f32(dk ** -0.5), _i64(ba_stride), _i64(z_stride)))
+    return result
 
 
 # ------------------------------------------------------------------------- attention ---

@@ -383,18 +383,17 @@ class GpuOps:
         return gb.attention_gate(_joined(parts), q_and_gate, hd, self.forms)  # for o_proj
 
     def deltanet(self, layer, projected: cp.ndarray, state: gb.DeltaNetState, rows: Rows) -> cp.ndarray:
-        """Gated DeltaNet's core (engine.backend.cpu_ops.CpuOps.deltanet), the recurrence row by row
-        with a state after each row: projected [T, q | k | v | z | b | a] -> [T, Hv * dv]."""
+        """Gated DeltaNet's core (engine.backend.cpu_ops.CpuOps.deltanet): the conv, the recurrence row
+        by row with a state after each row and the gated norm, a launch a slice of rows:
+        projected [T, q | k | v | z | b | a] -> [T, Hv * dv] in the forms out_proj reads."""
         c = layer.config
         hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         channels = 2 * hk * dk + hv * dv
-        # Column ranges of the projection, read in place by the kernels (no copies):
+        # Column ranges of the projection, read in place by the kernel (no copies):
         mixed, z = projected[:, :channels], projected[:, channels : channels + hv * dv]
         b, a = projected[:, -2 * hv : -hv], projected[:, -hv:]  # [T, Hv]
-        parts = [gb.deltanet_rows(mixed[piece], layer.conv, hk, dk, b[piece], a[piece], layer.decay_rate, layer.dt_bias,
-                                  state, start) for piece, start, _ in rows.slices()]  # conv then rule, a launch a slice
-        return gb.gated_rms_norm(_joined(parts), z, layer.norm, c.rms_norm_eps, sigmoid=c.output_gate != "silu",
-                                 forms=self.forms)  # [T, Hv * dv], for out_proj
+        return gb.deltanet(mixed, z, b, a, layer, hk, dk, state, [(piece, start) for piece, start, _ in rows.slices()],
+                           c.rms_norm_eps, sigmoid=c.output_gate != "silu", forms=self.forms)
 
 
     # ---- Flash-Next's steps (engine/flash_next.py; FlashCpuOps there is the reference)

@@ -33,7 +33,7 @@ KERNELS = {
                        for kind in ("bf16", "partial_q4", "partial_exact"))
                  + tuple(f"sparse_attention_partial_{kind}_hd{hd}" for hd in (64, 128, 256) for kind in ("bf16", "q4", "exact"))
                  + ("attention_combine", "kv_append_bf16", "kv_append_q4"),
-    "norms": ("rms_norm", "add_rms_norm", "gated_rms_norm", "gated_rms_norm_sigmoid", "qk_norm_rope",
+    "norms": ("rms_norm", "add_rms_norm", "qk_norm_rope",
               "qk_norm_rope_append_bf16", "silu_mul", "attention_gate"),
     "flash_next": ("silu_div", "hc_mix", "hc_inject", "ple_gate", "ple_conv", "index_pool", "index_scores", "qsa_select"),
 }

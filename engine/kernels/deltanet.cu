@@ -56,17 +56,48 @@ __device__ __forceinline__ void conv_to_ring(const float* __restrict__ mixed, fl
 // shuffles. For a fixed register the warp touches 4 rows x 8 consecutive columns: whole 32-byte
 // sectors. Each block convolves the channels it reads (a key head's q and k again in each of its
 // blocks: 2 DK x KW products a row); the first block of a key head's first value head writes q and k
-// into the ring, each block its value columns. Launch: grid (Hv, DV / 32), block 128.
+// into the ring, each block its value columns.
+//
+// Then the gated norm per row and value head (engine/model.py's DeltaNet; REFERENCE.md section 1):
+// y = o * rsqrt(mean(o^2) + eps) * w * gate(z), gate silu (sigmoid with `sigmoid`), z row t at
+// z + t * z_stride (in place from in_proj's rows), w [DV]; y [T, Hv * DV] and the forms out_proj reads
+// (emit_forms). A head's norm needs all its columns: the last of its DV / 32 blocks to finish (an
+// arrival count a head, left at 0 for the next launch) reads the o [T, Hv, DV] the others wrote and
+// norms every row, as a launch of its own did (thread-strided sums of squares, then block_sum).
+// Launch: grid (Hv, DV / 32), block 128.
+// The gated norm of head h's rows (see above), by one block.
+__device__ __forceinline__ void gated_norm(const float* __restrict__ out, const float* __restrict__ z,
+                                        const float* __restrict__ w, float eps, int sigmoid, float* __restrict__ y,
+                                        u16* y_bf16, signed char* y_q, float* y_scale, int forms, int T, int Hv, int DV,
+                                        int h, long long z_stride, float* scratch) {
+  for (int t = 0; t < T; ++t) {
+    const float* row = out + ((size_t)t * Hv + h) * DV;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < DV; i += blockDim.x) ss += row[i] * row[i];
+    const float denom = sqrtf(block_sum(ss, scratch) / (float)DV + eps);
+    for (int i = threadIdx.x; i < DV; i += blockDim.x) {  // whole warps a pass (DV % 32 == 0): emit_forms' int8 blocks
+      const float gate = z[(size_t)t * z_stride + (size_t)h * DV + i];
+      const float value = row[i] / denom * w[i] * (sigmoid ? sigmoid_f(gate) : silu_f(gate));
+      const size_t at = ((size_t)t * Hv + h) * DV + i;
+      y[at] = value;
+      emit_forms(value, at, forms, y_bf16, y_q, y_scale);
+    }
+  }
+}
+
 template <int DK>
 __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __restrict__ taps, float* __restrict__ ring,
                               const int* __restrict__ start, const float* __restrict__ b, const float* __restrict__ a,
                               const float* __restrict__ decay_rate, const float* __restrict__ dt_bias,
                               float* __restrict__ state, float* __restrict__ snapshots, float* __restrict__ out,
-                              int T, int Hk, int Hv, int DV, int KW, long long in_stride, float q_scale,
-                              long long ba_stride) {
+                              const float* __restrict__ z, const float* __restrict__ w, float eps, int sigmoid,
+                              float* __restrict__ y, u16* y_bf16, signed char* y_q, float* y_scale, int forms,
+                              int* __restrict__ arrivals, int T, int Hk, int Hv, int DV, int KW, long long in_stride,
+                              float q_scale, long long ba_stride, long long z_stride) {
   constexpr int R = DK / 4;  // rows per thread
   __shared__ float qk[2][DK];
   __shared__ float scratch[WARP];
+  __shared__ bool last;
   const int h = blockIdx.x, hk = h / (Hv / Hk);
   const int j = threadIdx.x / 4, part = threadIdx.x % 4;
   const int col = blockIdx.y * 32 + j;
@@ -122,15 +153,30 @@ __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __re
     conv_to_ring(mixed, ring, P, T, k_channel, C, in_stride);
   }
   if (part == 0) conv_to_ring(mixed, ring, P, T, v_channel, C, in_stride);
+
+  // the gated norm, by the head's last block: the others' o are visible once their arrivals are
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&arrivals[h], 1) == (int)gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (threadIdx.x == 0) arrivals[h] = 0;
+  gated_norm(out, z, w, eps, sigmoid, y, y_bf16, y_q, y_scale, forms, T, Hv, DV, h, z_stride, scratch);
 }
 
-#define DELTANET_ROWS(DK)                                                                                       \
-  extern "C" __global__ void __launch_bounds__(128) deltanet_rows_dk##DK(                                      \
-      const float* mixed, const float* taps, float* ring, const int* start, const float* b, const float* a,     \
-      const float* decay_rate, const float* dt_bias, float* state, float* snapshots, float* out, int T, int Hk, \
-      int Hv, int DV, int KW, long long in_stride, float q_scale, long long ba_stride) {                        \
-    deltanet_rows<DK>(mixed, taps, ring, start, b, a, decay_rate, dt_bias, state, snapshots, out, T, Hk, Hv, DV, \
-                      KW, in_stride, q_scale, ba_stride);                                                       \
+// __launch_bounds__(128, 4): four blocks an SM, up to 128 registers a thread; with the bare 128 ptxas held
+// dk 128 at 72-80 registers and spilled.
+#define DELTANET_ROWS(DK)                                                                                        \
+  extern "C" __global__ void __launch_bounds__(128, 4) deltanet_rows_dk##DK(                                       \
+      const float* mixed, const float* taps, float* ring, const int* start, const float* b, const float* a,      \
+      const float* decay_rate, const float* dt_bias, float* state, float* snapshots, float* out, const float* z, \
+      const float* w, float eps, int sigmoid, float* y, u16* y_bf16, signed char* y_q, float* y_scale,          \
+      int forms, int* arrivals, int T, int Hk, int Hv, int DV, int KW, long long in_stride, float q_scale,      \
+      long long ba_stride, long long z_stride) {                                                                 \
+    deltanet_rows<DK>(mixed, taps, ring, start, b, a, decay_rate, dt_bias, state, snapshots, out, z, w, eps,     \
+                      sigmoid, y, y_bf16, y_q, y_scale, forms, arrivals, T, Hk, Hv, DV, KW, in_stride, q_scale,  \
+                      ba_stride, z_stride);                                                                      \
   }
 DELTANET_ROWS(32)
 DELTANET_ROWS(64)

@@ -46,43 +46,6 @@ extern "C" __global__ void add_rms_norm(const float* __restrict__ x, const float
   }
 }
 
-// DeltaNet's gated norm per value head: y = (x / sqrt(mean(x^2) + eps) * w) * gate(z), rows of D, the
-// gate silu (Qwen3.5) or sigmoid (Flash-Next's output_gate_type).
-// z is read in place from the in_proj output: row r (head r % heads of token r / heads) starts at
-// z + (r / heads) * z_row_stride + (r % heads) * D. y also in the emitted forms (out_proj's input,
-// common.cuh; D % 32 == 0 when forms ask for int8). Launch: grid R (= T * Hv), block 128.
-template <bool SIGMOID>
-__device__ void gated_rms_norm_rows(const float* __restrict__ x, const float* __restrict__ z,
-                                    const float* __restrict__ w, float* __restrict__ y, int D, float eps, int heads,
-                                    long long z_row_stride,
-                                    u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
-  __shared__ float scratch[WARP];
-  const size_t base = (size_t)blockIdx.x * D;
-  const float* gate = z + (size_t)(blockIdx.x / heads) * z_row_stride + (size_t)(blockIdx.x % heads) * D;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < D; i += blockDim.x) ss += x[base + i] * x[base + i];
-  const float denom = sqrtf(block_sum(ss, scratch) / (float)D + eps);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    const float v = x[base + i] / denom * w[i] * (SIGMOID ? sigmoid_f(gate[i]) : silu_f(gate[i]));
-    y[base + i] = v;
-    emit_forms(v, base + i, forms, y_bf16, y_q, y_scale);
-  }
-}
-
-extern "C" __global__ void gated_rms_norm(const float* __restrict__ x, const float* __restrict__ z,
-                                          const float* __restrict__ w, float* __restrict__ y, int D, float eps,
-                                          int heads, long long z_row_stride,
-                                          u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
-  gated_rms_norm_rows<false>(x, z, w, y, D, eps, heads, z_row_stride, y_bf16, y_q, y_scale, forms);
-}
-
-extern "C" __global__ void gated_rms_norm_sigmoid(const float* __restrict__ x, const float* __restrict__ z,
-                                                  const float* __restrict__ w, float* __restrict__ y, int D,
-                                                  float eps, int heads, long long z_row_stride,
-                                                  u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
-  gated_rms_norm_rows<true>(x, z, w, y, D, eps, heads, z_row_stride, y_bf16, y_q, y_scale, forms);
-}
-
 // Attention q and k heads: zero-centred RMSNorm over the head (w = 1 + weight), then NeoX RoPE on
 // the first rotary_dim dims, pairs (i, i + rotary_dim / 2), angle = position * inv_freq[i] in fp32
 // (inv_freq as the CPU's rope_tables computes it, uploaded once). The position of row t is

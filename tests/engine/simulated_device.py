@@ -94,7 +94,7 @@ class Source:
 
 _MACRO = re.compile(r"^#define (\w+)\(([^)]*)\)((?:.*\\\n)*.*)$", re.M)
 _CONSTANT = re.compile(r"^#define (\w+) (\d+)\b", re.M)
-_ENTRY = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(([^)]*)\)')
+_ENTRY = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+(?:, \d+)?\) )?(\w+)\(([^)]*)\)')
 
 
 def expand_macros(text: str) -> str:
@@ -702,8 +702,9 @@ def trellis_gemv(grid, block, a):
 
 def deltanet_rows(DK: int):
     """deltanet_rows_dk<DK>: block (head h, 32 value columns); the causal conv over the ring's history
-    (by engine.backend.cpu_ops.causal_conv), then S, the snapshot after every row and the output, by
-    cpu_ops.delta_rule_rows; the call's rows into the ring for the channels the grid's blocks own."""
+    (by engine.backend.cpu_ops.causal_conv), then S, the snapshot after every row and the output o, by
+    cpu_ops.delta_rule_rows; the call's rows into the ring for the channels the grid's blocks own;
+    the gated norm of every head whose column blocks the grid covers, with its forms."""
 
     def run(grid, block, a):
         if block[0] != 128:
@@ -724,8 +725,8 @@ def deltanet_rows(DK: int):
         S = take(a.state, Hv, DK, DV)
         state = SimpleNamespace(recurrent=S.copy())
         v = conv[:, 2 * Hk * DK :].reshape(T, Hv, DV)
-        out = cpu_ops.delta_rule_rows(q, k, v, beta, log_decay, state)
-        take(a.out, T, Hv, DV)[:, :heads, :cols] = out[:, :heads, :cols]
+        o = cpu_ops.delta_rule_rows(q, k, v, beta, log_decay, state)
+        take(a.out, T, Hv, DV)[:, :heads, :cols] = o[:, :heads, :cols]
         take(a.snapshots, T, Hv, DK, DV)[:, :heads, :, :cols] = np.stack(state.row_states)[:, :heads, :, :cols]
         S[:heads, :, :cols] = state.recurrent[:heads, :, :cols]
         slots = (P + np.arange(T)) % R
@@ -736,6 +737,16 @@ def deltanet_rows(DK: int):
         for h in range(heads):
             first = 2 * Hk * DK + h * DV
             ring[slots, first : first + cols] = mixed[:, first : first + cols]
+        if cols < DV:  # no head's last block ran: nothing normed
+            return
+        gate = cpu_ops.sigmoid if a.sigmoid else cpu_ops.silu
+        z = take_rows(a.z, T, Hv * DV, int(a.z_stride)).reshape(T, Hv, DV)
+        y = take(a.y, T, Hv, DV)
+        y[:, :heads] = cpu_ops.rms_norm(o[:, :heads], take(a.w, DV), a.eps) * gate(z[:, :heads])
+        for t in range(T):  # the normed heads' forms, at their places in [T, Hv * DV]
+            at = (t * Hv) * DV
+            emit_forms(SimpleNamespace(y_bf16=a.y_bf16[at:], y_q=a.y_q[at:], y_scale=a.y_scale[at // 32 :], forms=a.forms),
+                       y[t, :heads].ravel())
 
     return run
 
@@ -769,17 +780,6 @@ def add_rms_norm(grid, block, a):
     y = take(a.y, R, D)
     y[...] = cpu_ops.rms_norm(total, take(a.w, D), a.eps)
     emit_forms(a, y.ravel())
-
-
-def gated_rms_norm(gate):
-    def run(grid, block, a):
-        R, D, heads = grid[0], int(a.D), int(a.heads)
-        z = take_rows(a.z, R // heads, heads * D, int(a.z_row_stride)).reshape(R, D)  # the gate rows of each token
-        y = take(a.y, R, D)
-        y[...] = cpu_ops.rms_norm(take(a.x, R, D), take(a.w, D), a.eps) * gate(z)
-        emit_forms(a, y.ravel())
-
-    return run
 
 
 def qk_norm_rope(grid, block, a, append: bool = False):
@@ -1104,7 +1104,7 @@ TWINS = {
     **{f"sparse_attention_partial_{kind}_hd{hd}": sparse_attention_partial(kind, hd) for hd in (64, 128, 256)
        for kind in ("bf16", "q4", "exact")},
     "attention_combine": attention_combine, "kv_append_bf16": kv_append_bf16, "kv_append_q4": kv_append_q4,
-    "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "gated_rms_norm": gated_rms_norm(cpu_ops.silu), "gated_rms_norm_sigmoid": gated_rms_norm(cpu_ops.sigmoid),
+    "rms_norm": rms_norm, "add_rms_norm": add_rms_norm,
     "qk_norm_rope": qk_norm_rope, "qk_norm_rope_append_bf16": functools.partial(qk_norm_rope, append=True), "silu_mul": silu_mul, "attention_gate": attention_gate,
     "silu_div": silu_div, "hc_mix": hc_mix, "hc_inject": hc_inject, "ple_gate": ple_gate, "ple_conv": ple_conv,
     "index_pool": index_pool, "index_scores": index_scores, "qsa_select": qsa_select,

@@ -172,9 +172,9 @@ def test_w4a8_refuses_block_types_without_a_device_decoder():
 def test_ops_refuse_shapes_their_kernels_do_not_take():
     with pytest.raises(ValueError, match="N % 16 == 0"):
         gb.W4A16Linear(random_w4(40, 128, 0))
-    mixed, taps, gates = np.zeros((1, 64), np.float32), np.zeros((64, 4), np.float32), np.zeros((1, 1), np.float32)
+    mixed, z, gates = np.zeros((1, 64), np.float32), np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32)
     with pytest.raises(ValueError, match="key dims 32, 64, 128"):
-        gb.deltanet_rows(mixed, taps, 1, 16, gates, gates, gates[0], gates[0], gb.DeltaNetState(64, 4, 1, 16, 32), None)
+        gb.deltanet(mixed, z, gates, gates, None, 1, 16, gb.DeltaNetState(64, 4, 1, 16, 32), [], 1e-6)
 
 
 def test_linears_report_their_weights_shape():
@@ -213,52 +213,61 @@ def test_trellis_matches_cpu(T, k):
 
 # --------------------------------------------------------------------- DeltaNet ---
 
+def deltanet_inputs(rng, T: int, dk: int, dv: int, hk: int, hv: int, KW: int = 4) -> SimpleNamespace:
+    """A DeltaNet layer's parameters and `calls` calls' in_proj outputs, random."""
+    C = 2 * hk * dk + hv * dv
+    return SimpleNamespace(
+        C=C, KW=KW, mixed=rng.standard_normal((2, T, C)).astype(np.float32), z=rng.standard_normal((2, T, hv * dv)).astype(np.float32),
+        b=rng.standard_normal((2, T, hv)).astype(np.float32), a=rng.standard_normal((2, T, hv)).astype(np.float32),
+        layer=SimpleNamespace(conv=rng.standard_normal((C, KW)).astype(np.float32), decay_rate=-np.exp(rng.standard_normal(hv).astype(np.float32)),
+                              dt_bias=rng.standard_normal(hv).astype(np.float32), norm=rng.standard_normal(dv).astype(np.float32)),
+        history=rng.standard_normal((KW - 1, C)).astype(np.float32), start=rng.standard_normal((hv, dk, dv)).astype(np.float32) * 0.1)
+
+
 @pytest.mark.parametrize("dk,dv,hk,hv", [(32, 64, 2, 4), (128, 128, 16, 48)])
-def test_deltanet_rows_conv_and_rule_match_cpu_and_roll_back(dk, dv, hk, hv, cp):
-    """The conv over the ring's history and the rule in one launch, against the CPU's causal_conv and
-    delta_rule_rows: outputs, the state after every row, and a rollback to two rows after which the
-    next call (reading its history from the ring) continues as the CPU that saw only those rows."""
+def test_deltanet_launch_matches_cpu_and_rolls_back(dk, dv, hk, hv, cp):
+    """The conv over the ring's history, the rule and the gated norm in one launch a slice, against
+    the CPU's causal_conv, delta_rule_rows and rms_norm * silu: outputs, the state after every row, and
+    a rollback to two rows after which the next call (reading its history from the ring) continues as
+    the CPU that saw only those rows. The first call runs as two slices, as a longer call would."""
     rng = np.random.default_rng(dk)
-    T, KW, C = 5, 4, 2 * hk * dk + hv * dv
-    mixed = rng.standard_normal((2, T, C)).astype(np.float32)  # two calls' in_proj q | k | v columns
-    taps = rng.standard_normal((C, KW)).astype(np.float32)
-    b, a = rng.standard_normal((2, T, hv)).astype(np.float32), rng.standard_normal((2, T, hv)).astype(np.float32)
-    decay_rate = -np.exp(rng.standard_normal(hv).astype(np.float32))
-    dt_bias = rng.standard_normal(hv).astype(np.float32)
-    history = rng.standard_normal((KW - 1, C)).astype(np.float32)
-    start = rng.standard_normal((hv, dk, dv)).astype(np.float32) * 0.1
+    T, eps = 5, 1e-6
+    d = deltanet_inputs(rng, T, dk, dv, hk, hv)
+    layer = d.layer
 
     def cpu_call(state: DeltaNetState, call: int, rows: int):
-        conv = causal_conv(mixed[call, :rows], taps, state)
+        conv = causal_conv(d.mixed[call, :rows], layer.conv, state)
         q, k = (l2_normalize(conv[:, i * hk * dk : (i + 1) * hk * dk].reshape(rows, hk, dk)) for i in range(2))
         q, k = np.repeat(q * np.float32(dk ** -0.5), hv // hk, axis=1), np.repeat(k, hv // hk, axis=1)
-        log_decay = decay_rate * np.logaddexp(0.0, a[call, :rows] + dt_bias).astype(np.float32)
-        return delta_rule_rows(q, k, conv[:, 2 * hk * dk :].reshape(rows, hv, dv), sigmoid(b[call, :rows]), log_decay, state)
+        log_decay = layer.decay_rate * np.logaddexp(0.0, d.a[call, :rows] + layer.dt_bias).astype(np.float32)
+        o = delta_rule_rows(q, k, conv[:, 2 * hk * dk :].reshape(rows, hv, dv), sigmoid(d.b[call, :rows]), log_decay, state)
+        return (rms_norm(o, layer.norm, eps) * silu(d.z[call, :rows].reshape(rows, hv, dv))).reshape(rows, hv * dv)
 
     P = 40  # the history's positions 37..39 sit in the ring's rows for them
-    state = gb.DeltaNetState(C, KW, hv, dk, dv)
+    state = gb.DeltaNetState(d.C, d.KW, hv, dk, dv)
     ring = np.zeros(state.ring.shape, np.float32)
-    ring[np.arange(P - KW + 1, P) % ring.shape[0]] = history
-    state.ring[...], state.recurrent[...] = cp.asarray(ring), cp.asarray(start)
+    ring[np.arange(P - d.KW + 1, P) % ring.shape[0]] = d.history
+    state.ring[...], state.recurrent[...] = cp.asarray(ring), cp.asarray(d.start)
 
-    def gpu_call(call: int, position: int):
-        # q | k | v, b and a read in place from wider rows, as the model passes columns of its projection
-        wide = cp.asarray(np.concatenate([mixed[call], b[call], a[call], np.full((T, 3), np.nan, np.float32)], axis=1))
-        return host(gb.deltanet_rows(wide[:, :C], taps, hk, dk, wide[:, C:C + hv], wide[:, C + hv:C + 2 * hv], decay_rate,
-                                     dt_bias, state, cp.asarray([position], dtype=cp.int32)))
+    def gpu_call(call: int, slices: list):
+        # q | k | v, z, b and a read in place from wider rows, as the model passes columns of its projection
+        wide = cp.asarray(np.concatenate([d.mixed[call], d.z[call], d.b[call], d.a[call], np.full((T, 3), np.nan, np.float32)], axis=1))
+        C, Z = d.C, d.C + hv * dv
+        at = [(piece, cp.asarray([position], dtype=cp.int32)) for piece, position in slices]
+        return host(gb.deltanet(wide[:, :C], wide[:, C:Z], wide[:, Z:Z + hv], wide[:, Z + hv:Z + 2 * hv], layer, hk, dk, state, at, eps))
 
-    cpu_state = DeltaNetState(C, KW, hv, dk, dv)
-    cpu_state.conv, cpu_state.recurrent = history.copy(), start.copy()
+    cpu_state = DeltaNetState(d.C, d.KW, hv, dk, dv)
+    cpu_state.conv, cpu_state.recurrent = d.history.copy(), d.start.copy()
     want = cpu_call(cpu_state, 0, T)
-    np.testing.assert_allclose(gpu_call(0, P), want, rtol=1e-4, atol=1e-5)
-    for t in range(T):
-        np.testing.assert_allclose(host(state.row_states[t]), cpu_state.row_states[t], rtol=1e-4, atol=1e-5)
-    state.keep(2)
-    kept = DeltaNetState(C, KW, hv, dk, dv)
-    kept.conv, kept.recurrent = history.copy(), start.copy()
-    cpu_call(kept, 0, 2)
+    np.testing.assert_allclose(gpu_call(0, [(slice(0, 3), P), (slice(3, T), P + 3)]), want, rtol=1e-4, atol=1e-5)
+    for t in range(3, T):  # the second slice's rows
+        np.testing.assert_allclose(host(state.row_states[t - 3]), cpu_state.row_states[t], rtol=1e-4, atol=1e-5)
+    state.keep(1)  # the first row of the second slice: the state after 4 rows
+    kept = DeltaNetState(d.C, d.KW, hv, dk, dv)
+    kept.conv, kept.recurrent = d.history.copy(), d.start.copy()
+    cpu_call(kept, 0, 4)
     np.testing.assert_allclose(host(state.recurrent), kept.recurrent, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(gpu_call(1, P + 2), cpu_call(kept, 1, T), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(gpu_call(1, [(slice(0, T), P + 4)]), cpu_call(kept, 1, T), rtol=1e-4, atol=1e-5)
 
 
 # -------------------------------------------------------------------- attention ---
@@ -324,13 +333,6 @@ def test_norms_gates_and_rope_match_cpu(cp):
     w = rng.standard_normal(5120).astype(np.float32)
     np.testing.assert_allclose(host(gb.rms_norm(x, w, eps)), rms_norm(x, w, eps), rtol=1e-5, atol=1e-6)
 
-    z = rng.standard_normal((T, 48 * 128)).astype(np.float32)
-    o = rng.standard_normal((T, 48, 128)).astype(np.float32)
-    wn = rng.standard_normal(128).astype(np.float32)
-    want = (rms_norm(o, wn, eps) * silu(z.reshape(T, 48, 128))).reshape(T, 48 * 128)
-    np.testing.assert_allclose(host(gb.gated_rms_norm(o, z, wn, eps)), want, rtol=1e-5, atol=1e-6)
-    wide = cp.asarray(np.concatenate([np.full((T, 7), np.nan, np.float32), z, np.full((T, 2), np.nan, np.float32)], axis=1))
-    np.testing.assert_allclose(host(gb.gated_rms_norm(o, wide[:, 7:7 + 48 * 128], wn, eps)), want, rtol=1e-5, atol=1e-6)
 
     q_and_gate = rng.standard_normal((T, heads * 2 * hd)).astype(np.float32)
     norm_w = 1 + rng.standard_normal(hd).astype(np.float32) * 0.1
@@ -403,7 +405,7 @@ def test_stacked_linears_of_two_forms_give_columns_that_read_in_place(cp):
 
 
 def test_the_kernels_feeding_linears_emit_their_inputs_bit_for_bit(cp):
-    """Each kernel whose output only Linears read (a layer's norms, SwiGLU, DeltaNet's gated norm,
+    """Each kernel whose output only Linears read (a layer's norms, SwiGLU, DeltaNet's launch,
     attention's gate, alone or in the combine) writes, beside its fp32 rows, the bf16 bits and int8 codes and
     scales that f32_to_bf16_bits and quantize_int8_blocks make of them; the W4 Linears read those
     and give the bits they give from the fp32 rows (no conversion launched)."""
@@ -415,7 +417,13 @@ def test_the_kernels_feeding_linears_emit_their_inputs_bit_for_bit(cp):
     zeros = cp.zeros((T, 256), cp.float32)  # an all-zero block (scale 0, codes 0) in every row
     q_and_gate = in_wider_rows(rng.standard_normal((T, heads * 2 * hd)).astype(np.float32), cp)
     o = rng.standard_normal((T, heads, hd)).astype(np.float32)
-    z = rng.standard_normal((T, heads * hd)).astype(np.float32)
+    d = deltanet_inputs(rng, T, 32, 64, 2, 4)
+
+    def deltanet(forms):  # DeltaNet's gated norm, the end of its launch (a fresh state each time: the same values)
+        state = gb.DeltaNetState(d.C, d.KW, 4, 32, 64)
+        return gb.deltanet(d.mixed[0], d.z[0], d.b[0], d.a[0], d.layer, 2, 32, state,
+                           [(slice(0, T), cp.asarray([7], cp.int32))], 1e-6, forms=forms)
+
     gate_up = rng.standard_normal((T, 2 * 256)).astype(np.float32)
     q, keys, values = attention_inputs(T, 40, heads, 2, hd, seed=10)
     cache = gb.KVCache(2, hd, capacity=48)
@@ -428,7 +436,7 @@ def test_the_kernels_feeding_linears_emit_their_inputs_bit_for_bit(cp):
                 "add_rms_norm": lambda forms: gb.add_rms_norm(x, delta, w, 1e-6, forms)[1],
                 "add_rms_norm of zeros": lambda forms: gb.add_rms_norm(zeros, zeros, w, 1e-6, forms)[1],
                 "silu_mul": lambda forms: gb.silu_mul(gate_up, forms),
-                "gated_rms_norm": lambda forms: gb.gated_rms_norm(o, z, w[:hd], 1e-6, forms=forms),
+                "deltanet's gated norm": deltanet,
                 "attention_gate": lambda forms: gb.attention_gate(o.reshape(T, -1), q_and_gate, hd, forms)}
     linears = [gb.W4A16Linear(random_w4(32, 256, seed=1)), gb.W4A8Linear(random_w4(32, 256, seed=2))]
     for name, produce in produced.items():
