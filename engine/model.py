@@ -80,8 +80,10 @@ class DeltaNet:
                                        c.linear_key_head_dim, c.linear_value_head_dim)
 
     def __call__(self, x, state, pos, last_only: bool = False):
-        """Every row advances the state; the output is for every row, or for the last only."""
-        out = self.ops.deltanet(self, self.in_proj(x), state, pos)  # [T, Hv * dv]
+        """Every row advances the state; the output is for every row, or for the last only. The op set
+        runs in_proj as well: the GPU's multiplies a W4 checkpoint's 16-bit in_proj_b/a rows inside its
+        DeltaNet launch."""
+        out = self.ops.deltanet(self, x, state, pos)  # [T, Hv * dv]
         return self.out_proj(out[x.shape[0] - 1 if last_only else 0 :])
 
 

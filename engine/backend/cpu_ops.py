@@ -472,10 +472,11 @@ class CpuOps:
                 compiled.attend_rows(q[i : i + 1], keys, values, past + t, gates[i : i + 1], out[i : i + 1])
         return out
 
-    def deltanet(self, layer, projected: np.ndarray, state: DeltaNetState, start: int) -> np.ndarray:
-        """Gated DeltaNet's core over every row: projected [T, q | k | v | z | b | a] (in_proj's
-        output) -> the gated norm's output [T, Hv * dv], the conv and recurrent state advanced."""
+    def deltanet(self, layer, x: np.ndarray, state: DeltaNetState, start: int) -> np.ndarray:
+        """Gated DeltaNet over every row of x [T, H] (the normed input): in_proj's q | k | v | z | b | a,
+        then the core -> the gated norm's output [T, Hv * dv], the conv and recurrent state advanced."""
         c = layer.config
+        projected = layer.in_proj(x)
         T = projected.shape[0]
         hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         per_key = hv // hk  # value head h reads key head h // per_key: each key head repeated, not tiled

@@ -496,26 +496,34 @@ class DeltaNetState:
         self.recurrent[...] = self.row_states[rows - 1]
 
 
-def deltanet(mixed, z, b, a, layer, Hk: int, dk: int, state: DeltaNetState, slices, eps: float, sigmoid: bool = False,
-             forms: int = 0) -> cp.ndarray | Activations:
+def deltanet(mixed, z, layer, Hk: int, dk: int, state: DeltaNetState, slices, eps: float, sigmoid: bool = False,
+             forms: int = 0, b=None, a=None, ba_weight=None, x=None) -> cp.ndarray | Activations:
     """Gated DeltaNet's core for a call's rows, a launch a slice of <= 16 rows (slices: (rows, start)
     pairs, start int32 [1] on the device: the position of the slice's first row): the causal conv, the
     gated delta rule row by row (S after every row kept in state.row_states) and the gated norm, in one
     launch (deltanet.cu).
 
-    mixed [T, 2 Hk dk + Hv dv]: in_proj's q | k | v columns before the conv; z [T, Hv dv]; b, a [T, Hv]
-    raw in_proj_b/a outputs (beta = sigmoid(b), g = decay_rate * softplus(a + dt_bias)); all columns
-    of the same wider rows, read in place. layer: its conv taps [C, KW], decay_rate, dt_bias and norm
-    weight. Returns norm(o) * silu(z) (sigmoid(z) with `sigmoid`) [T, Hv dv], also in the emitted
-    `forms` (then Activations) for out_proj.
+    mixed [T, 2 Hk dk + Hv dv]: in_proj's q | k | v columns before the conv; z [T, Hv dv]: both columns
+    of wider rows, read in place. beta = sigmoid(b), g = decay_rate * softplus(a + dt_bias) from b, a
+    [T, Hv] (raw in_proj_b/a outputs, columns of the same wider rows), or from ba_weight [2 Hv, H] bf16
+    bits (in_proj_b's rows then in_proj_a's) times x [T, H], multiplied in the launch. layer: its conv
+    taps [C, KW], decay_rate, dt_bias and norm weight. Returns norm(o) * silu(z) (sigmoid(z) with
+    `sigmoid`) [T, Hv dv], also in the emitted `forms` (then Activations) for out_proj.
     """
-    (mixed, in_stride), (z, z_stride), (b, ba_stride), (a, a_stride) = _rows(mixed), _rows(z), _rows(b), _rows(a)
-    if a_stride != ba_stride:  # the kernel takes one stride for both: compact rows of each
-        b, a, ba_stride = cp.ascontiguousarray(b), cp.ascontiguousarray(a), b.shape[1]
-    T, Hv = b.shape
+    (mixed, in_stride), (z, z_stride) = _rows(mixed), _rows(z)
+    T, Hv = mixed.shape[0], layer.decay_rate.shape[0]
     dv = z.shape[1] // Hv
     if dk not in (32, 64, 128) or dv % 32:
         raise ValueError(f"deltanet kernel takes key dims 32, 64, 128 and value dims of 32s, got {dk}, {dv}")
+    if ba_weight is None:
+        (b, ba_stride), (a, a_stride) = _rows(b), _rows(a)
+        if a_stride != ba_stride:  # the kernel takes one stride for both: compact rows of each
+            b, a, ba_stride = cp.ascontiguousarray(b), cp.ascontiguousarray(a), b.shape[1]
+        ba_weight, x, K = cp.empty(1, cp.uint16), cp.empty((T, 1), cp.float32), 0  # unread stand-ins
+    else:
+        x, K = device_f32(x), ba_weight.shape[1]
+        b = a = cp.empty((T, 1), cp.float32)  # unread stand-ins
+        ba_stride = 0
     taps = device_f32(layer.conv)
     y = cp.empty((T, Hv * dv), cp.float32)
     (y_bf16, y_q, y_scale, emit), result = _emitted(y, forms)
@@ -525,11 +533,11 @@ def deltanet(mixed, z, b, a, layer, Hk: int, dk: int, state: DeltaNetState, slic
         rows_of = lambda form, flag: form[piece] if int(emit) & flag else form  # noqa: E731 (a stand-in stays whole)
         kernel("deltanet", f"deltanet_rows_dk{dk}")(
             (Hv, dv // 32), (128,),
-            (mixed[piece], taps, state.ring, start, b[piece], a[piece], device_f32(layer.decay_rate),
-             device_f32(layer.dt_bias), state.recurrent, state.row_states, o, z[piece], device_f32(layer.norm), _f32(eps),
-             _i32(sigmoid), y[piece], rows_of(y_bf16, EMIT_BF16), rows_of(y_q, EMIT_INT8), rows_of(y_scale, EMIT_INT8), emit,
-             state.arrivals, _i32(t), _i32(Hk), _i32(Hv), _i32(dv), _i32(taps.shape[1]), _i64(in_stride),
-             _f32(dk ** -0.5), _i64(ba_stride), _i64(z_stride)))
+            (mixed[piece], taps, state.ring, start, b[piece], a[piece], ba_weight, x[piece] if K else x, _i32(K),
+             device_f32(layer.decay_rate), device_f32(layer.dt_bias), state.recurrent, state.row_states, o, z[piece],
+             device_f32(layer.norm), _f32(eps), _i32(sigmoid), y[piece], rows_of(y_bf16, EMIT_BF16), rows_of(y_q, EMIT_INT8),
+             rows_of(y_scale, EMIT_INT8), emit, state.arrivals, _i32(t), _i32(Hk), _i32(Hv), _i32(dv), _i32(taps.shape[1]),
+             _i64(in_stride), _f32(dk ** -0.5), _i64(ba_stride), _i64(z_stride)))
     return result
 
 

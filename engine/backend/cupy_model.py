@@ -268,6 +268,8 @@ class GpuOps:
             self._last_graph = (hidden, graph)
             return hidden
         hidden = self.rows_pass(model, state, T, state.length, ids)
+        if T not in self.warm and self.graphable and capturable(model):
+            model.lm_head(hidden)  # a graph captures the head too: its kernels load now, once a row count
         self.warm.add(T)
         return hidden
 
@@ -382,18 +384,25 @@ class GpuOps:
             parts.append(gb.attend(q[piece], cache, start, past))
         return gb.attention_gate(_joined(parts), q_and_gate, hd, self.forms)  # for o_proj
 
-    def deltanet(self, layer, projected: cp.ndarray, state: gb.DeltaNetState, rows: Rows) -> cp.ndarray:
-        """Gated DeltaNet's core (engine.backend.cpu_ops.CpuOps.deltanet): the conv, the recurrence row
-        by row with a state after each row and the gated norm, a launch a slice of rows:
-        projected [T, q | k | v | z | b | a] -> [T, Hv * dv] in the forms out_proj reads."""
+    def deltanet(self, layer, x, state: gb.DeltaNetState, rows: Rows) -> cp.ndarray:
+        """Gated DeltaNet (engine.backend.cpu_ops.CpuOps.deltanet) over x [T, H] (the normed input):
+        in_proj, then the conv, the recurrence row by row with a state after each row and the gated
+        norm, a launch a slice of rows -> [T, Hv * dv] in the forms out_proj reads. A W4 checkpoint's
+        16-bit in_proj_b/a (the stacked Linear's last part, 2 Hv bf16 rows) is multiplied in that
+        launch, not in one of its own."""
         c = layer.config
         hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         channels = 2 * hk * dk + hv * dv
+        parts = layer.in_proj.parts if isinstance(layer.in_proj, ConcatOutputs) else []
+        if len(parts) == 2 and type(parts[1]) is gb.BF16Linear and parts[1].N == 2 * hv:
+            projected, b_and_a = parts[0](x), {"ba_weight": parts[1].bits, "x": x}
+        else:
+            projected = layer.in_proj(x)
+            b_and_a = {"b": projected[:, -2 * hv : -hv], "a": projected[:, -hv:]}  # [T, Hv]
         # Column ranges of the projection, read in place by the kernel (no copies):
         mixed, z = projected[:, :channels], projected[:, channels : channels + hv * dv]
-        b, a = projected[:, -2 * hv : -hv], projected[:, -hv:]  # [T, Hv]
-        return gb.deltanet(mixed, z, b, a, layer, hk, dk, state, [(piece, start) for piece, start, _ in rows.slices()],
-                           c.rms_norm_eps, sigmoid=c.output_gate != "silu", forms=self.forms)
+        return gb.deltanet(mixed, z, layer, hk, dk, state, [(piece, start) for piece, start, _ in rows.slices()],
+                           c.rms_norm_eps, sigmoid=c.output_gate != "silu", forms=self.forms, **b_and_a)
 
 
     # ---- Flash-Next's steps (engine/flash_next.py; FlashCpuOps there is the reference)

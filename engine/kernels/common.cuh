@@ -185,3 +185,38 @@ __device__ __forceinline__ void emit_forms(float v, size_t idx, int forms, u16* 
     if (threadIdx.x % WARP == 0) scale[idx / 32] = s;
   }
 }
+
+// ---------------------------------------------------------------------------- bf16 rows ---
+// A warp's dot products of one bf16 weight row with up to DENSE_MAX_T fp32 token rows (dense.cu's
+// bf16_gemv; DeltaNet's in_proj_b/a rows in its own launch): lane l reads inputs 8l .. 8l + 7 of
+// every 256 (one 16-byte load of bf16 bits, widened exactly) and keeps a running sum a token.
+#define DENSE_MAX_T 16
+
+// This lane's share of weight row wr [K] times x's T rows into acc[t] (summed over lanes by the caller).
+__device__ __forceinline__ void row_dots(const u16* __restrict__ wr, const float* __restrict__ x, int K, int T,
+                                         int lane, float* acc) {
+#pragma unroll
+  for (int t = 0; t < DENSE_MAX_T; ++t) acc[t] = 0.0f;
+  for (int k = 8 * lane; k < K; k += 8 * WARP) {
+    const uint4 bits = ld_stream_u4(wr + k);
+    const u32 pairs[4] = {bits.x, bits.y, bits.z, bits.w};
+    float wv[8];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      wv[2 * p] = __uint_as_float(pairs[p] << 16);  // bf16 is fp32's top half: exact
+      wv[2 * p + 1] = __uint_as_float(pairs[p] & 0xFFFF0000u);
+    }
+#pragma unroll
+    for (int t = 0; t < DENSE_MAX_T; ++t) {
+      if (t < T) {
+        const float4 lo = *reinterpret_cast<const float4*>(x + (size_t)t * K + k);
+        const float4 hi = *reinterpret_cast<const float4*>(x + (size_t)t * K + k + 4);
+        acc[t] += wv[0] * lo.x + wv[1] * lo.y + wv[2] * lo.z + wv[3] * lo.w + wv[4] * hi.x + wv[5] * hi.y +
+                  wv[6] * hi.z + wv[7] * hi.w;
+      }
+    }
+  }
+}
+
+// Launch: grid ceil(N / DENSE_WARPS), block 32 * DENSE_WARPS; K % 8 == 0, 1 <= T <= 16; x fp32 [T, K]
+// contiguous, out fp32 [T, N].

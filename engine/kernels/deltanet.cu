@@ -47,8 +47,11 @@ __device__ __forceinline__ void conv_to_ring(const float* __restrict__ mixed, fl
 // above, the call's first position at *start. q and k (key head hk's query at channel hk * DK, its key
 // at (Hk + hk) * DK) are L2-normalised here (eps 1e-6; q also times q_scale = DK^-0.5), as
 // engine/backend/cpu_ops.l2_normalize: no launch of their own. b and a [T, Hv] with row t at
-// + t * ba_stride (in place from wider rows); S [Hv, DK, DV] fp32, updated in place; snapshots
-// [T, Hv, DK, DV] receives S after every row; out [T, Hv, DV].
+// + t * ba_stride (in place from wider rows); or, with K > 0 (a W4 checkpoint keeps in_proj_b/a in
+// 16 bit), this launch makes them: ba_w [2 Hv, K] bf16 bits (b's rows, then a's) times x [T, K], the
+// layer's normed input, by two warps (bf16_gemv's row_dots and sums: the same bits, no launch of their
+// own). S [Hv, DK, DV] fp32, updated in place; snapshots [T, Hv, DK, DV] receives S after every row;
+// out [T, Hv, DV].
 //
 // A block owns 32 value columns of one head: thread (j = tid / 4, part = tid % 4) holds column j's
 // rows part, part + 4, ..., in registers for the whole call, so S is read once and written once
@@ -88,6 +91,7 @@ __device__ __forceinline__ void gated_norm(const float* __restrict__ out, const 
 template <int DK>
 __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __restrict__ taps, float* __restrict__ ring,
                               const int* __restrict__ start, const float* __restrict__ b, const float* __restrict__ a,
+                              const u16* __restrict__ ba_w, const float* __restrict__ x, int K,
                               const float* __restrict__ decay_rate, const float* __restrict__ dt_bias,
                               float* __restrict__ state, float* __restrict__ snapshots, float* __restrict__ out,
                               const float* __restrict__ z, const float* __restrict__ w, float eps, int sigmoid,
@@ -97,12 +101,28 @@ __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __re
   constexpr int R = DK / 4;  // rows per thread
   __shared__ float qk[2][DK];
   __shared__ float scratch[WARP];
+  __shared__ float ba[2][DENSE_MAX_T];  // b and a of this head a row, made here (K > 0)
   __shared__ bool last;
   const int h = blockIdx.x, hk = h / (Hv / Hk);
   const int j = threadIdx.x / 4, part = threadIdx.x % 4;
   const int col = blockIdx.y * 32 + j;
   const int C = 2 * Hk * DK + Hv * DV, P = *start;
   const int q_channel = hk * DK + threadIdx.x, k_channel = (Hk + hk) * DK + threadIdx.x, v_channel = 2 * Hk * DK + h * DV + col;
+  if (K > 0) {
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (warp < 2) {  // warp 0: in_proj_b's row h, warp 1: in_proj_a's
+      float acc[DENSE_MAX_T];
+      row_dots(ba_w + (size_t)(warp * Hv + h) * K, x, K, T, lane, acc);
+#pragma unroll
+      for (int t = 0; t < DENSE_MAX_T; ++t) {
+        if (t < T) {
+          const float sum = warp_sum(acc[t]);
+          if (lane == 0) ba[warp][t] = sum;
+        }
+      }
+    }
+    __syncthreads();
+  }
   float* S = state + (size_t)h * DK * DV;
   float s[R];
 #pragma unroll
@@ -120,8 +140,8 @@ __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __re
       qk[1][threadIdx.x] = kv / k_norm;
     }
     __syncthreads();
-    const float beta = sigmoid_f(b[(size_t)t * ba_stride + h]);
-    const float decay = expf(decay_rate[h] * softplus_f(a[(size_t)t * ba_stride + h] + dt_bias[h]));
+    const float beta = sigmoid_f(K > 0 ? ba[0][t] : b[(size_t)t * ba_stride + h]);
+    const float decay = expf(decay_rate[h] * softplus_f((K > 0 ? ba[1][t] : a[(size_t)t * ba_stride + h]) + dt_bias[h]));
     float pred = 0.0f;
 #pragma unroll
     for (int i = 0; i < R; ++i) {
@@ -167,16 +187,16 @@ __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __re
 
 // __launch_bounds__(128, 4): four blocks an SM, up to 128 registers a thread; with the bare 128 ptxas held
 // dk 128 at 72-80 registers and spilled.
-#define DELTANET_ROWS(DK)                                                                                        \
-  extern "C" __global__ void __launch_bounds__(128, 4) deltanet_rows_dk##DK(                                       \
-      const float* mixed, const float* taps, float* ring, const int* start, const float* b, const float* a,      \
-      const float* decay_rate, const float* dt_bias, float* state, float* snapshots, float* out, const float* z, \
-      const float* w, float eps, int sigmoid, float* y, u16* y_bf16, signed char* y_q, float* y_scale,          \
-      int forms, int* arrivals, int T, int Hk, int Hv, int DV, int KW, long long in_stride, float q_scale,      \
-      long long ba_stride, long long z_stride) {                                                                 \
-    deltanet_rows<DK>(mixed, taps, ring, start, b, a, decay_rate, dt_bias, state, snapshots, out, z, w, eps,     \
-                      sigmoid, y, y_bf16, y_q, y_scale, forms, arrivals, T, Hk, Hv, DV, KW, in_stride, q_scale,  \
-                      ba_stride, z_stride);                                                                      \
+#define DELTANET_ROWS(DK)                                                                                         \
+  extern "C" __global__ void __launch_bounds__(128, 4) deltanet_rows_dk##DK(                                    \
+      const float* mixed, const float* taps, float* ring, const int* start, const float* b, const float* a,       \
+      const u16* ba_w, const float* x, int K, const float* decay_rate, const float* dt_bias, float* state,       \
+      float* snapshots, float* out, const float* z, const float* w, float eps, int sigmoid, float* y,            \
+      u16* y_bf16, signed char* y_q, float* y_scale, int forms, int* arrivals, int T, int Hk, int Hv, int DV,     \
+      int KW, long long in_stride, float q_scale, long long ba_stride, long long z_stride) {                      \
+    deltanet_rows<DK>(mixed, taps, ring, start, b, a, ba_w, x, K, decay_rate, dt_bias, state, snapshots, out, z, \
+                      w, eps, sigmoid, y, y_bf16, y_q, y_scale, forms, arrivals, T, Hk, Hv, DV, KW, in_stride,    \
+                      q_scale, ba_stride, z_stride);                                                              \
   }
 DELTANET_ROWS(32)
 DELTANET_ROWS(64)

@@ -5,41 +5,13 @@
 //
 // A warp owns a weight row: lane l reads inputs 8l .. 8l + 7 of every 256 (one 16-byte load of
 // bf16 bits; the x rows two 16-byte loads each, from L1/L2: every warp of the block reads them)
-// and keeps one running sum per token, adding a chunk's 8 products at a time in k order; the
-// lanes' sums meet in a fixed shuffle tree, so a row's bits never depend on the other rows or T.
+// and keeps one running sum per token, adding a chunk's 8 products at a time in k order (common.cuh's
+// row_dots); the lanes' sums meet in a fixed shuffle tree, so a row's bits never depend on the other
+// rows or T.
 #include "common.cuh"
 
-#define DENSE_MAX_T 16
 #define DENSE_WARPS 8
 
-// This lane's share of weight row wr [K] times x's T rows into acc[t] (summed over lanes by the caller).
-__device__ __forceinline__ void row_dots(const u16* __restrict__ wr, const float* __restrict__ x, int K, int T,
-                                         int lane, float* acc) {
-#pragma unroll
-  for (int t = 0; t < DENSE_MAX_T; ++t) acc[t] = 0.0f;
-  for (int k = 8 * lane; k < K; k += 8 * WARP) {
-    const uint4 bits = ld_stream_u4(wr + k);
-    const u32 pairs[4] = {bits.x, bits.y, bits.z, bits.w};
-    float wv[8];
-#pragma unroll
-    for (int p = 0; p < 4; ++p) {
-      wv[2 * p] = __uint_as_float(pairs[p] << 16);  // bf16 is fp32's top half: exact
-      wv[2 * p + 1] = __uint_as_float(pairs[p] & 0xFFFF0000u);
-    }
-#pragma unroll
-    for (int t = 0; t < DENSE_MAX_T; ++t) {
-      if (t < T) {
-        const float4 lo = *reinterpret_cast<const float4*>(x + (size_t)t * K + k);
-        const float4 hi = *reinterpret_cast<const float4*>(x + (size_t)t * K + k + 4);
-        acc[t] += wv[0] * lo.x + wv[1] * lo.y + wv[2] * lo.z + wv[3] * lo.w + wv[4] * hi.x + wv[5] * hi.y +
-                  wv[6] * hi.z + wv[7] * hi.w;
-      }
-    }
-  }
-}
-
-// Launch: grid ceil(N / DENSE_WARPS), block 32 * DENSE_WARPS; K % 8 == 0, 1 <= T <= 16; x fp32 [T, K]
-// contiguous, out fp32 [T, N].
 extern "C" __global__ void __launch_bounds__(256) bf16_gemv(const u16* __restrict__ w, const float* __restrict__ x,
                                                             float* __restrict__ out, int N, int K, int T) {
   const int lane = threadIdx.x % WARP, row = blockIdx.x * DENSE_WARPS + threadIdx.x / WARP;

@@ -671,20 +671,24 @@ INT8_CODECS = {"w4": None, "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuanti
                "iq4_xs": GGMLQuantizationType.IQ4_XS}
 
 
+def int8_rows(codec: str, a, N: int, K: int, T: int, rows: np.ndarray) -> np.ndarray:
+    """The CPU W4A8 route's block dots of weight rows `rows` (of N) on the given codes: [T, len(rows)]."""
+    raw = take(a.weights, N, int(a.row_bytes))[rows]
+    if codec == "w4":
+        weight = W4Weight(raw.view(np.uint32), take(a.scales, N, K // 128)[rows])
+    else:
+        weight = BlockMatrix(INT8_CODECS[codec], raw, K)
+    q = take(a.q, T, K // 32, 32).astype(np.float32)
+    return cpu.W4A8Linear(weight)._rows(*weight.decode_rows(0, len(rows)), q, take(a.ascale, T, K // 32))
+
+
 def int8_gemv(codec: str):
-    """int8_gemv_<codec>: a warp per weight row; the CPU W4A8 route's block dots on the given codes."""
+    """int8_gemv_<codec>: a warp per weight row."""
 
     def run(grid, block, a):
         N, K, T = int(a.N), int(a.K), int(a.T)
         rows = min(N, threads(grid, block) // 32)
-        raw = take(a.weights, N, int(a.row_bytes))[:rows]
-        if codec == "w4":
-            weight = W4Weight(raw.view(np.uint32), take(a.scales, N, K // 128)[:rows])
-        else:
-            weight = BlockMatrix(INT8_CODECS[codec], raw, K)
-        q = take(a.q, T, K // 32, 32).astype(np.float32)
-        y = cpu.W4A8Linear(weight)._rows(*weight.decode_rows(0, rows), q, take(a.ascale, T, K // 32))
-        take(a.out, T, N)[:, :rows] = y
+        take(a.out, T, N)[:, :rows] = int8_rows(codec, a, N, K, T, np.arange(rows))
 
     return run
 
@@ -703,8 +707,9 @@ def trellis_gemv(grid, block, a):
 def deltanet_rows(DK: int):
     """deltanet_rows_dk<DK>: block (head h, 32 value columns); the causal conv over the ring's history
     (by engine.backend.cpu_ops.causal_conv), then S, the snapshot after every row and the output o, by
-    cpu_ops.delta_rule_rows; the call's rows into the ring for the channels the grid's blocks own;
-    the gated norm of every head whose column blocks the grid covers, with its forms."""
+    cpu_ops.delta_rule_rows (b and a made from in_proj_b/a's rows where K > 0); the call's rows into the
+    ring for the channels the grid's blocks own; the gated norm of every head whose column blocks the
+    grid covers, with its forms."""
 
     def run(grid, block, a):
         if block[0] != 128:
@@ -720,8 +725,14 @@ def deltanet_rows(DK: int):
         qk = conv[:, : 2 * Hk * DK].reshape(T, 2, Hk, DK)  # normalised here
         q, k = cpu_ops.l2_normalize(qk[:, 0]) * a.q_scale, cpu_ops.l2_normalize(qk[:, 1])
         q, k = (np.repeat(x, Hv // Hk, axis=1) for x in (q, k))  # value head h reads key head h // (Hv / Hk)
-        beta = cpu_ops.sigmoid(take_rows(a.b, T, Hv, int(a.ba_stride)))
-        log_decay = take(a.decay_rate, Hv) * cpu_ops.softplus(take_rows(a.a, T, Hv, int(a.ba_stride)) + take(a.dt_bias, Hv))
+        if int(a.K):  # in_proj_b/a's bf16 rows times the normed input, as bf16_gemv
+            K = int(a.K)
+            b_and_a = row_dots(take(a.x, T, K), bf16_to_f32(take(a.ba_w, 2 * Hv, K)))
+            b, raw_a = b_and_a[:, :Hv], b_and_a[:, Hv:]
+        else:
+            b, raw_a = take_rows(a.b, T, Hv, int(a.ba_stride)), take_rows(a.a, T, Hv, int(a.ba_stride))
+        beta = cpu_ops.sigmoid(b)
+        log_decay = take(a.decay_rate, Hv) * cpu_ops.softplus(raw_a + take(a.dt_bias, Hv))
         S = take(a.state, Hv, DK, DV)
         state = SimpleNamespace(recurrent=S.copy())
         v = conv[:, 2 * Hk * DK :].reshape(T, Hv, DV)

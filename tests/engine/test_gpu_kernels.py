@@ -28,6 +28,7 @@ from simulated_device import cupy_fixture
 from duet.engine.backend import cpu
 from duet.engine.backend import cupy_backend as gb
 from duet.engine.cache import DeltaNetState, IndexedKVCache, KVCache, PLEState, Q4KVCache
+from duet.engine.checkpoint.safetensors import bf16_to_f32
 from duet.engine.backend.cpu_ops import apply_rope, attend, causal_conv, delta_rule_rows, l2_normalize, rms_norm, rope_tables, sigmoid, silu
 from duet.engine.flash_next import FlashCpuOps, stream_norm
 from duet.engine.quant.activation import f32_to_bf16_bits, quantize_int8_blocks, round_to_bf16
@@ -174,7 +175,8 @@ def test_ops_refuse_shapes_their_kernels_do_not_take():
         gb.W4A16Linear(random_w4(40, 128, 0))
     mixed, z, gates = np.zeros((1, 64), np.float32), np.zeros((1, 32), np.float32), np.zeros((1, 1), np.float32)
     with pytest.raises(ValueError, match="key dims 32, 64, 128"):
-        gb.deltanet(mixed, z, gates, gates, None, 1, 16, gb.DeltaNetState(64, 4, 1, 16, 32), [], 1e-6)
+        gb.deltanet(mixed, z, SimpleNamespace(decay_rate=gates[0]), 1, 16, gb.DeltaNetState(64, 4, 1, 16, 32), [], 1e-6,
+                    b=gates, a=gates)
 
 
 def test_linears_report_their_weights_shape():
@@ -221,19 +223,32 @@ def deltanet_inputs(rng, T: int, dk: int, dv: int, hk: int, hv: int, KW: int = 4
         b=rng.standard_normal((2, T, hv)).astype(np.float32), a=rng.standard_normal((2, T, hv)).astype(np.float32),
         layer=SimpleNamespace(conv=rng.standard_normal((C, KW)).astype(np.float32), decay_rate=-np.exp(rng.standard_normal(hv).astype(np.float32)),
                               dt_bias=rng.standard_normal(hv).astype(np.float32), norm=rng.standard_normal(dv).astype(np.float32)),
-        history=rng.standard_normal((KW - 1, C)).astype(np.float32), start=rng.standard_normal((hv, dk, dv)).astype(np.float32) * 0.1)
+        history=rng.standard_normal((KW - 1, C)).astype(np.float32), start=rng.standard_normal((hv, dk, dv)).astype(np.float32) * 0.1,
+        x=rng.standard_normal((2, T, 256)).astype(np.float32),  # the normed input, and in_proj_b | in_proj_a in bf16
+        ba_bits=f32_to_bf16_bits(rng.standard_normal((2 * hv, 256)).astype(np.float32) * 0.1))
 
 
+def test_the_conv_ring_is_the_kernels():
+    from simulated_device import constant
+
+    assert gb.CONV_RING == constant("deltanet", "CONV_RING") and gb.CONV_RING & (gb.CONV_RING - 1) == 0
+
+
+@pytest.mark.parametrize("b_and_a", ["columns", "in the launch"])
 @pytest.mark.parametrize("dk,dv,hk,hv", [(32, 64, 2, 4), (128, 128, 16, 48)])
-def test_deltanet_launch_matches_cpu_and_rolls_back(dk, dv, hk, hv, cp):
+def test_deltanet_launch_matches_cpu_and_rolls_back(dk, dv, hk, hv, b_and_a, cp):
     """The conv over the ring's history, the rule and the gated norm in one launch a slice, against
     the CPU's causal_conv, delta_rule_rows and rms_norm * silu: outputs, the state after every row, and
-    a rollback to two rows after which the next call (reading its history from the ring) continues as
-    the CPU that saw only those rows. The first call runs as two slices, as a longer call would."""
+    a rollback after which the next call (reading its history from the ring) continues as the CPU that
+    saw only the kept rows. The first call runs as two slices, as a longer call would. b and a come as
+    columns of the projection, or from in_proj_b/a's bf16 rows times the normed input in the launch
+    (a W4 checkpoint's 16-bit rows)."""
     rng = np.random.default_rng(dk)
     T, eps = 5, 1e-6
     d = deltanet_inputs(rng, T, dk, dv, hk, hv)
     layer = d.layer
+    if b_and_a == "in the launch":
+        d.b, d.a = np.split(d.x @ bf16_to_f32(d.ba_bits).T, 2, axis=-1)  # what the launch makes
 
     def cpu_call(state: DeltaNetState, call: int, rows: int):
         conv = causal_conv(d.mixed[call, :rows], layer.conv, state)
@@ -254,7 +269,11 @@ def test_deltanet_launch_matches_cpu_and_rolls_back(dk, dv, hk, hv, cp):
         wide = cp.asarray(np.concatenate([d.mixed[call], d.z[call], d.b[call], d.a[call], np.full((T, 3), np.nan, np.float32)], axis=1))
         C, Z = d.C, d.C + hv * dv
         at = [(piece, cp.asarray([position], dtype=cp.int32)) for piece, position in slices]
-        return host(gb.deltanet(wide[:, :C], wide[:, C:Z], wide[:, Z:Z + hv], wide[:, Z + hv:Z + 2 * hv], layer, hk, dk, state, at, eps))
+        if b_and_a == "in the launch":
+            b_a = {"ba_weight": cp.asarray(d.ba_bits), "x": cp.asarray(d.x[call])}
+        else:
+            b_a = {"b": wide[:, Z:Z + hv], "a": wide[:, Z + hv:Z + 2 * hv]}
+        return host(gb.deltanet(wide[:, :C], wide[:, C:Z], layer, hk, dk, state, at, eps, **b_a))
 
     cpu_state = DeltaNetState(d.C, d.KW, hv, dk, dv)
     cpu_state.conv, cpu_state.recurrent = d.history.copy(), d.start.copy()
@@ -405,10 +424,10 @@ def test_stacked_linears_of_two_forms_give_columns_that_read_in_place(cp):
 
 
 def test_the_kernels_feeding_linears_emit_their_inputs_bit_for_bit(cp):
-    """Each kernel whose output only Linears read (a layer's norms, SwiGLU, DeltaNet's launch,
-    attention's gate, alone or in the combine) writes, beside its fp32 rows, the bf16 bits and int8 codes and
-    scales that f32_to_bf16_bits and quantize_int8_blocks make of them; the W4 Linears read those
-    and give the bits they give from the fp32 rows (no conversion launched)."""
+    """Each kernel whose output only Linears read (a layer's norms, SwiGLU, DeltaNet's
+    launch, attention's gate, alone or in the combine) writes, beside its fp32 rows, the bf16
+    bits and int8 codes and scales that f32_to_bf16_bits and quantize_int8_blocks make of them; the W4
+    Linears read those and give the bits they give from the fp32 rows (no conversion launched)."""
     rng = np.random.default_rng(9)
     T, hd, heads = 3, 64, 4
     both = gb.EMIT_BF16 | gb.EMIT_INT8
@@ -421,8 +440,8 @@ def test_the_kernels_feeding_linears_emit_their_inputs_bit_for_bit(cp):
 
     def deltanet(forms):  # DeltaNet's gated norm, the end of its launch (a fresh state each time: the same values)
         state = gb.DeltaNetState(d.C, d.KW, 4, 32, 64)
-        return gb.deltanet(d.mixed[0], d.z[0], d.b[0], d.a[0], d.layer, 2, 32, state,
-                           [(slice(0, T), cp.asarray([7], cp.int32))], 1e-6, forms=forms)
+        return gb.deltanet(d.mixed[0], d.z[0], d.layer, 2, 32, state, [(slice(0, T), cp.asarray([7], cp.int32))], 1e-6,
+                           forms=forms, b=d.b[0], a=d.a[0])
 
     gate_up = rng.standard_normal((T, 2 * 256)).astype(np.float32)
     q, keys, values = attention_inputs(T, 40, heads, 2, hd, seed=10)
