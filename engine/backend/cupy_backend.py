@@ -332,6 +332,36 @@ class W4A8Linear(RowSlicedLinear):
         return out
 
 
+class SwiGLUW4A8Linear(W4A8Linear):
+    """An MLP's gate | up on w4a8 whose product ends in silu(gate) * up (int8_swiglu_*: a block takes
+    32 features' gate and up rows, each sum as int8_gemv makes it; no silu_mul launch), also in the
+    forms the down projection reads. `swiglu(x)` is what ops.swiglu asks of it."""
+
+    def __init__(self, linear: W4A8Linear):
+        if linear.N % 64:
+            raise ValueError(f"a gate | up of {linear.N} rows does not split into blocks of 32 features")
+        self.__dict__.update(linear.__dict__)  # the same weights on the card, not a copy
+
+    def __call__(self, x):
+        raise TypeError("a SwiGLU gate | up runs through ops.swiglu")
+
+    def swiglu(self, x, forms: int = 0) -> cp.ndarray | Activations:
+        """silu(gate) * up [T, N / 2] of x [T, K], also in the emitted `forms` (then Activations)."""
+        T, I = x.shape[0], self.N // 2
+        out = cp.empty((T, I), cp.float32)
+        (bf16, q_out, scale_out, emit), result = _emitted(out, forms)
+        for rows in _row_slices(T):
+            part = x[rows] if isinstance(x, Activations) else device_f32(x)[rows]
+            q, scale = (part.q, part.scale) if isinstance(part, Activations) and part.q is not None else \
+                quantize_int8(device_f32(part))
+            rows_of = lambda form, flag: form[rows] if int(emit) & flag else form  # noqa: E731 (a stand-in stays whole)
+            kernel("w4a8", f"int8_swiglu_{self.codec}")(
+                (I // 32,), (256,),
+                (self.weights, self.scales, _i64(self.row_bytes), q, scale, out[rows], _i32(I), _i32(self.K),
+                 _i32(q.shape[0]), rows_of(bf16, EMIT_BF16), rows_of(q_out, EMIT_INT8), rows_of(scale_out, EMIT_INT8), emit))
+        return result
+
+
 class TrellisLinear(RowSlicedLinear):
     """`w4a8` for trellis weights: activations rotated like the weight and int8 per 128-block, levels
     decoded from the tile streams (1MAD, dp4a), exact block dots, y = row_scale * sum ascale * dot."""

@@ -348,15 +348,18 @@ class GpuOps:
 
     def swiglu(self, gate_up, x: cp.ndarray) -> cp.ndarray:
         """[T, 2I] (gate | up) -> [T, I], for the down projection: in gate_up's epilogue where it has one."""
-        if isinstance(gate_up, (gb.SwiGLUW4A16Linear, gb.SwiGLUBF16Linear)):
+        if isinstance(gate_up, (gb.SwiGLUW4A16Linear, gb.SwiGLUW4A8Linear, gb.SwiGLUBF16Linear)):
             return gate_up.swiglu(x, self.forms)
         return gb.silu_mul(gate_up(x), self.forms)
 
     @staticmethod
     def gate_up(linear):
-        """An MLP's gate | up Linear in the form swiglu takes: W4A16's and bf16's with SwiGLU in the product."""
+        """An MLP's gate | up Linear in the form swiglu takes: W4A16's, W4A8's and bf16's with SwiGLU in
+        the product."""
         if type(linear) is gb.W4A16Linear and linear.N % 32 == 0:
             return gb.SwiGLUW4A16Linear(linear)
+        if type(linear) is gb.W4A8Linear and linear.N % 64 == 0:
+            return gb.SwiGLUW4A8Linear(linear)
         return gb.SwiGLUBF16Linear(linear) if type(linear) is gb.BF16Linear else linear
 
     def attention(self, layer, qkv: cp.ndarray, cache, rows: Rows, first: int) -> cp.ndarray:

@@ -161,17 +161,15 @@ struct IQ4_XSCodec {  // 136 B / 256: d f16 | scales_h u16 | scales_l[4] | qs[12
 // warp's loads cover 32 consecutive units (contiguous bytes). Per unit and token: eight dp4a
 // (exact int32), one fp32 multiply by weight scale x activation scale (the product formed first,
 // as the CPU does), one fp32 add. Lanes are summed at the end.
+// This lane's share of weight row n's sums for T token rows into acc[t] (summed over lanes by the caller).
 template <class Codec>
-__device__ void int8_gemv(const u8* __restrict__ weights, const u16* __restrict__ scales, long long row_bytes,
-                          const signed char* __restrict__ q, const float* __restrict__ ascale,
-                          float* __restrict__ out, int N, int K, int T) {
-  const int lane = threadIdx.x % WARP;
-  const int n = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-  if (n >= N) return;
+__device__ __forceinline__ void int8_row_dots(const u8* __restrict__ weights, const u16* __restrict__ scales,
+                                              long long row_bytes, const signed char* __restrict__ q,
+                                              const float* __restrict__ ascale, int n, int K, int T, int lane,
+                                              float* acc) {
   const int U = K / 32;
   const u8* row = weights + n * row_bytes;
   const u16* row_scales = scales ? scales + (size_t)n * (K / 128) : nullptr;
-  float acc[MAX_T];
 #pragma unroll
   for (int t = 0; t < MAX_T; ++t) acc[t] = 0.0f;
   for (int u = lane; u < U; u += WARP) {
@@ -194,6 +192,17 @@ __device__ void int8_gemv(const u8* __restrict__ weights, const u16* __restrict_
       }
     }
   }
+}
+
+template <class Codec>
+__device__ void int8_gemv(const u8* __restrict__ weights, const u16* __restrict__ scales, long long row_bytes,
+                          const signed char* __restrict__ q, const float* __restrict__ ascale,
+                          float* __restrict__ out, int N, int K, int T) {
+  const int lane = threadIdx.x % WARP;
+  const int n = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  if (n >= N) return;
+  float acc[MAX_T];
+  int8_row_dots<Codec>(weights, scales, row_bytes, q, ascale, n, K, T, lane, acc);
 #pragma unroll
   for (int t = 0; t < MAX_T; ++t) {
     if (t < T) {
@@ -203,12 +212,53 @@ __device__ void int8_gemv(const u8* __restrict__ weights, const u16* __restrict_
   }
 }
 
+// An MLP's gate | up [2I, K] ending in SwiGLU: out[t, f] = silu(gate row f's sum) * (up row I + f's
+// sum), each sum as int8_gemv makes it and silu_mul's step after (no silu_mul launch), also in the
+// emitted forms (the down projection's input: an int8 block is 32 features, so a block of 8 warps
+// takes 32 features, 4 a warp, and warp 0 emits them). I % 32 == 0.
+template <class Codec>
+__device__ void int8_swiglu(const u8* __restrict__ weights, const u16* __restrict__ scales, long long row_bytes,
+                            const signed char* __restrict__ q, const float* __restrict__ ascale,
+                            float* __restrict__ out, int I, int K, int T, u16* y_bf16, signed char* y_q,
+                            float* y_scale, int forms) {
+  __shared__ float swiglu[MAX_T][WARP];
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int first = blockIdx.x * WARP;  // the block's first feature
+  for (int j = 0; j < 4; ++j) {
+    const int f = 4 * warp + j;
+    float gate[MAX_T], up[MAX_T];
+    int8_row_dots<Codec>(weights, scales, row_bytes, q, ascale, first + f, K, T, lane, gate);
+    int8_row_dots<Codec>(weights, scales, row_bytes, q, ascale, I + first + f, K, T, lane, up);
+#pragma unroll
+    for (int t = 0; t < MAX_T; ++t) {
+      if (t < T) {
+        const float g = warp_sum(gate[t]), u = warp_sum(up[t]);
+        if (lane == 0) swiglu[t][f] = silu_f(g) * u;
+      }
+    }
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  for (int t = 0; t < T; ++t) {
+    const float v = swiglu[t][lane];
+    const size_t at = (size_t)t * I + first + lane;
+    out[at] = v;
+    emit_forms(v, at, forms, y_bf16, y_q, y_scale);
+  }
+}
+
 // Launch: grid ceil(N / 8), block 256. row_bytes: bytes of one weight row (W4: K / 2).
+// int8_swiglu_*: grid I / 32, block 256; out [T, I].
 #define INT8_GEMV(codec_name, Codec)                                                                      \
   extern "C" __global__ void __launch_bounds__(256) int8_gemv_##codec_name(                              \
       const u8* weights, const u16* scales, long long row_bytes, const signed char* q, const float* ascale, \
       float* out, int N, int K, int T) {                                                                  \
     int8_gemv<Codec>(weights, scales, row_bytes, q, ascale, out, N, K, T);                                \
+  }                                                                                                       \
+  extern "C" __global__ void __launch_bounds__(256) int8_swiglu_##codec_name(                            \
+      const u8* weights, const u16* scales, long long row_bytes, const signed char* q, const float* ascale, \
+      float* out, int I, int K, int T, u16* y_bf16, signed char* y_q, float* y_scale, int forms) {          \
+    int8_swiglu<Codec>(weights, scales, row_bytes, q, ascale, out, I, K, T, y_bf16, y_q, y_scale, forms);   \
   }
 INT8_GEMV(w4, W4Codec)
 INT8_GEMV(q8_0, Q8_0Codec)

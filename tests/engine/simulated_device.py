@@ -693,6 +693,23 @@ def int8_gemv(codec: str):
     return run
 
 
+def int8_swiglu(codec: str):
+    """int8_swiglu_<codec>: a block per 32 features: silu(gate row f) * (up row I + f), with its forms."""
+
+    def run(grid, block, a):
+        I, K, T = int(a.I), int(a.K), int(a.T)
+        if block[0] != 256:
+            raise ValueError("int8_swiglu: 8 warps of 4 features each: blocks of 256")
+        features = np.arange(min(I, 32 * grid[0]))
+        gate, up = (int8_rows(codec, a, 2 * I, K, T, rows) for rows in (features, I + features))
+        y = take(a.out, T, I)
+        y[:, : features.size] = cpu_ops.silu(gate) * up
+        if features.size == I:
+            emit_forms(a, y.ravel())
+
+    return run
+
+
 def trellis_gemv(grid, block, a):
     N, K, T, k = int(a.N), int(a.K), int(a.T), int(a.k)
     if a.multiplier != MULTIPLIERS[k]:
@@ -1107,7 +1124,8 @@ TWINS = {
     "w4a16_swiglu_t8": w4a16_gemm(1, swiglu=True), "w4a16_swiglu_t16": w4a16_gemm(2, swiglu=True),
     "f32_to_bf16_bits": f32_to_bf16_bits_twin,
     "quantize_int8_blocks": quantize_int8_blocks_twin, "rotate_quantize_int8": rotate_quantize_int8,
-    **{f"int8_gemv_{codec}": int8_gemv(codec) for codec in INT8_CODECS}, "trellis_gemv": trellis_gemv,
+    **{f"int8_gemv_{codec}": int8_gemv(codec) for codec in INT8_CODECS},
+    **{f"int8_swiglu_{codec}": int8_swiglu(codec) for codec in INT8_CODECS}, "trellis_gemv": trellis_gemv,
     **{f"deltanet_rows_dk{dk}": deltanet_rows(dk) for dk in (32, 64, 128)},
     **{f"attention_bf16_hd{hd}": attention_bf16(hd) for hd in (64, 128, 256)},
     **{f"attention_partial_{kind}_hd{hd}": attention_partial(kind, hd) for hd in (64, 128, 256)

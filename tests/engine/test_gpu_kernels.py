@@ -165,6 +165,21 @@ def test_w4a8_matches_cpu(T, kind):
     assert_sum_close(got, want, magnitude)
 
 
+@pytest.mark.parametrize("T", ROW_COUNTS)
+@pytest.mark.parametrize("kind", range(4), ids=["int4", "q8_0", "q4_0", "iq4_xs"])
+def test_w4a8_swiglu_is_the_product_then_silu_mul(T, kind):
+    """An MLP's gate | up on w4a8 with SwiGLU in the product (int8_swiglu_*): bit for bit the
+    product (int8_gemv's sums) then silu_mul, with the forms the down projection reads, any T."""
+    I, K = 64, 1024
+    w = w4a8_weights(2 * I, K, seed=T)[kind]
+    x = np.random.default_rng(T).standard_normal((T, K)).astype(np.float32)
+    both = gb.EMIT_BF16 | gb.EMIT_INT8
+    fused = gb.SwiGLUW4A8Linear(gb.W4A8Linear(w)).swiglu(x, both)
+    separate = gb.silu_mul(gb.W4A8Linear(w)(x), both)
+    for form in ("f32", "bf16", "q", "scale"):
+        assert np.array_equal(host(getattr(fused, form)), host(getattr(separate, form))), form
+
+
 def test_w4a8_refuses_block_types_without_a_device_decoder():
     with pytest.raises(ValueError, match="Q6_K"):
         gb.W4A8Linear(random_blocks(Q.Q6_K, 16, 256, 0))
@@ -424,8 +439,8 @@ def test_stacked_linears_of_two_forms_give_columns_that_read_in_place(cp):
 
 
 def test_the_kernels_feeding_linears_emit_their_inputs_bit_for_bit(cp):
-    """Each kernel whose output only Linears read (a layer's norms, SwiGLU, DeltaNet's
-    launch, attention's gate, alone or in the combine) writes, beside its fp32 rows, the bf16
+    """Each kernel whose output only Linears read (a layer's norms, SwiGLU alone or in w4a8's product,
+    DeltaNet's launch, attention's gate, alone or in the combine) writes, beside its fp32 rows, the bf16
     bits and int8 codes and scales that f32_to_bf16_bits and quantize_int8_blocks make of them; the W4
     Linears read those and give the bits they give from the fp32 rows (no conversion launched)."""
     rng = np.random.default_rng(9)
@@ -444,6 +459,7 @@ def test_the_kernels_feeding_linears_emit_their_inputs_bit_for_bit(cp):
                            forms=forms, b=d.b[0], a=d.a[0])
 
     gate_up = rng.standard_normal((T, 2 * 256)).astype(np.float32)
+    swiglu_w4a8 = gb.SwiGLUW4A8Linear(gb.W4A8Linear(random_w4(2 * 256, 256, seed=3)))
     q, keys, values = attention_inputs(T, 40, heads, 2, hd, seed=10)
     cache = gb.KVCache(2, hd, capacity=48)
     cache.append(keys, values, cp.asarray([0], cp.int32))
@@ -455,6 +471,7 @@ def test_the_kernels_feeding_linears_emit_their_inputs_bit_for_bit(cp):
                 "add_rms_norm": lambda forms: gb.add_rms_norm(x, delta, w, 1e-6, forms)[1],
                 "add_rms_norm of zeros": lambda forms: gb.add_rms_norm(zeros, zeros, w, 1e-6, forms)[1],
                 "silu_mul": lambda forms: gb.silu_mul(gate_up, forms),
+                "w4a8 gate | up with SwiGLU": lambda forms: swiglu_w4a8.swiglu(x, forms),
                 "deltanet's gated norm": deltanet,
                 "attention_gate": lambda forms: gb.attention_gate(o.reshape(T, -1), q_and_gate, hd, forms)}
     linears = [gb.W4A16Linear(random_w4(32, 256, seed=1)), gb.W4A8Linear(random_w4(32, 256, seed=2))]
