@@ -509,8 +509,8 @@ CONV_RING = 32  # deltanet.cu's: rows of a DeltaNet layer's conv history ring, >
 class DeltaNetState:
     """The conv's history as a ring of positions [CONV_RING, C] (deltanet.cu: a call reads the
     rows before its first position and writes its own, so a rollback needs no copy) and the recurrent
-    state [Hv, dk, dv] on the device, with the state after every row of the last short call for a
-    rollback (engine.cache.DeltaNetState)."""
+    state [Hv, dk, dv] on the device, with the state after every row but the last of the last short
+    call for a rollback (engine.cache.DeltaNetState)."""
 
     def __init__(self, channels: int, kernel_size: int, value_heads: int, key_dim: int, value_dim: int):
         if kernel_size - 1 + MAX_ROWS > CONV_RING:
@@ -521,8 +521,8 @@ class DeltaNetState:
         self.arrivals = cp.zeros(value_heads, cp.int32)  # a head's column blocks done, 0 between launches
 
     def keep(self, rows: int) -> None:
-        """Make the state after the first `rows` rows of the last call current (the ring's rows past
-        them are written again when their positions run again)."""
+        """Make the state after the first `rows` rows of the last call, fewer than it ran, current (the
+        ring's rows past them are written again when their positions run again)."""
         self.recurrent[...] = self.row_states[rows - 1]
 
 
@@ -530,8 +530,8 @@ def deltanet(mixed, z, layer, Hk: int, dk: int, state: DeltaNetState, slices, ep
              forms: int = 0, b=None, a=None, ba_weight=None, x=None) -> cp.ndarray | Activations:
     """Gated DeltaNet's core for a call's rows, a launch a slice of <= 16 rows (slices: (rows, start)
     pairs, start int32 [1] on the device: the position of the slice's first row): the causal conv, the
-    gated delta rule row by row (S after every row kept in state.row_states) and the gated norm, in one
-    launch (deltanet.cu).
+    gated delta rule row by row (S after every row but the last kept in state.row_states) and the gated
+    norm, in one launch (deltanet.cu).
 
     mixed [T, 2 Hk dk + Hv dv]: in_proj's q | k | v columns before the conv; z [T, Hv dv]: both columns
     of wider rows, read in place. beta = sigmoid(b), g = decay_rate * softplus(a + dt_bias) from b, a

@@ -496,9 +496,10 @@ class GpuState:
     def keep(self, rows: int) -> None:
         """Roll back the last short call to its first `rows` rows (engine.cache.SequenceState.keep)."""
         end = self.length_before_last_call + rows
-        for cache in self.layers:
-            if not isinstance(cache, ATTENTION_CACHES):  # DeltaNet states (with a PLE's, engine.cache.WithPLE)
-                cache.keep(rows)
+        if end < self.length:  # with every row kept the states are current (no snapshot of the last row)
+            for cache in self.layers:
+                if not isinstance(cache, ATTENTION_CACHES):  # DeltaNet states (with a PLE's, engine.cache.WithPLE)
+                    cache.keep(rows)
         self.length = end
         self._sync_caches()
 

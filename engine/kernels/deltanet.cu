@@ -50,8 +50,8 @@ __device__ __forceinline__ void conv_to_ring(const float* __restrict__ mixed, fl
 // + t * ba_stride (in place from wider rows); or, with K > 0 (a W4 checkpoint keeps in_proj_b/a in
 // 16 bit), this launch makes them: ba_w [2 Hv, K] bf16 bits (b's rows, then a's) times x [T, K], the
 // layer's normed input, by two warps (bf16_gemv's row_dots and sums: the same bits, no launch of their
-// own). S [Hv, DK, DV] fp32, updated in place; snapshots [T, Hv, DK, DV] receives S after every row;
-// out [T, Hv, DV].
+// own). S [Hv, DK, DV] fp32, updated in place; snapshots [T - 1, Hv, DK, DV] receives S after every
+// row but the last (S itself: a rollback that keeps every row copies nothing); out [T, Hv, DV].
 //
 // A block owns 32 value columns of one head: thread (j = tid / 4, part = tid % 4) holds column j's
 // rows part, part + 4, ..., in registers for the whole call, so S is read once and written once
@@ -161,9 +161,11 @@ __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __re
     o += __shfl_xor_sync(0xffffffffu, o, 1);
     o += __shfl_xor_sync(0xffffffffu, o, 2);
     if (part == 0) out[((size_t)t * Hv + h) * DV + col] = o;
-    float* snap = snapshots + ((size_t)t * Hv + h) * DK * DV;
+    if (t < T - 1) {
+      float* snap = snapshots + ((size_t)t * Hv + h) * DK * DV;
 #pragma unroll
-    for (int i = 0; i < R; ++i) snap[(size_t)(part + 4 * i) * DV + col] = s[i];
+      for (int i = 0; i < R; ++i) snap[(size_t)(part + 4 * i) * DV + col] = s[i];
+    }
   }
 #pragma unroll
   for (int i = 0; i < R; ++i) S[(size_t)(part + 4 * i) * DV + col] = s[i];

@@ -723,10 +723,10 @@ def trellis_gemv(grid, block, a):
 
 def deltanet_rows(DK: int):
     """deltanet_rows_dk<DK>: block (head h, 32 value columns); the causal conv over the ring's history
-    (by engine.backend.cpu_ops.causal_conv), then S, the snapshot after every row and the output o, by
-    cpu_ops.delta_rule_rows (b and a made from in_proj_b/a's rows where K > 0); the call's rows into the
-    ring for the channels the grid's blocks own; the gated norm of every head whose column blocks the
-    grid covers, with its forms."""
+    (by engine.backend.cpu_ops.causal_conv), then S, the snapshots after every row but the last and the
+    output o, by cpu_ops.delta_rule_rows (b and a made from in_proj_b/a's rows where K > 0); the call's
+    rows into the ring for the channels the grid's blocks own; the gated norm of every head whose
+    column blocks the grid covers, with its forms."""
 
     def run(grid, block, a):
         if block[0] != 128:
@@ -755,7 +755,7 @@ def deltanet_rows(DK: int):
         v = conv[:, 2 * Hk * DK :].reshape(T, Hv, DV)
         o = cpu_ops.delta_rule_rows(q, k, v, beta, log_decay, state)
         take(a.out, T, Hv, DV)[:, :heads, :cols] = o[:, :heads, :cols]
-        take(a.snapshots, T, Hv, DK, DV)[:, :heads, :, :cols] = np.stack(state.row_states)[:, :heads, :, :cols]
+        take(a.snapshots, T, Hv, DK, DV)[: T - 1, :heads, :, :cols] = np.stack(state.row_states)[: T - 1, :heads, :, :cols]
         S[:heads, :, :cols] = state.recurrent[:heads, :, :cols]
         slots = (P + np.arange(T)) % R
         for hk in range(Hk):
