@@ -573,7 +573,11 @@ def deltanet(mixed, z, layer, Hk: int, dk: int, state: DeltaNetState, slices, ep
 
 # ------------------------------------------------------------------------- attention ---
 
-ATTENTION_CHUNK = 512  # keys per block of a row; longer contexts spread over more blocks
+ATTENTION_CHUNK = 512  # keys per block of a row and head on the q4 cache; longer contexts spread over more blocks
+# Keys per block of a row and KV head on the bf16 cache (attention_bf16: one block serves the KV head's
+# query heads): a 1k context is 8 chunks, 128 blocks for 4 rows of 4 KV heads. Divides ATTENTION_CHUNK,
+# which buckets a captured cycle's keys.
+GQA_CHUNK = 128
 
 
 class KVCache:
@@ -675,16 +679,16 @@ def attend(q, cache: KVCache | Q4KVCache, start: cp.ndarray, past: int, gates=No
     T, heads, hd = q.shape
     scale = _f32(hd ** -0.5)
     end = past + T
-    if isinstance(cache, KVCache):  # partials and combine in one launch
+    if isinstance(cache, KVCache):  # partials and combine in one launch, a block serving a KV head's query heads
         kv, capacity = cache.keys.shape[0], cache.keys.shape[1]
-        chunks = _blocks(end, ATTENTION_CHUNK)
+        chunks = _blocks(end, GQA_CHUNK)
         part_ml = cp.empty((T, heads, chunks, 2), cp.float32)
         part_acc = cp.empty((T, heads, chunks, hd), cp.float32)
         out, tail, result = _combine_outputs(T, heads * hd, gates, forms)
         kernel("attention", f"attention_bf16_hd{hd}")(
-            (chunks, heads, T), (128,),
-            (q, cache.keys, cache.values, _i32(capacity), start, _i32(heads), _i32(kv), _i32(ATTENTION_CHUNK), scale,
-             part_ml, part_acc, cache.arrivals(T * heads), out, *tail))
+            (chunks, kv, T), (128,),
+            (q, cache.keys, cache.values, _i32(capacity), start, _i32(heads), _i32(kv), _i32(GQA_CHUNK), scale,
+             part_ml, part_acc, cache.arrivals(T * kv), out, *tail))
         return result
     else:
         kv, capacity = cache.key_codes.shape[0], cache.key_codes.shape[1]

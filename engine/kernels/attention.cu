@@ -8,13 +8,15 @@
 //
 // Flash-decoding: each block takes a chunk of one row's keys and writes the chunk's (max, sum of
 // e^(s - max), sum of e^(s - max) v); the combine rescales the chunks to one max and divides. On the
-// bf16 cache both run in one launch (attention_bf16_*: the last chunk to arrive combines); the q4
+// bf16 cache a block serves every query head of a KV head, so a key is loaded once for all of them,
+// and both steps run in one launch (attention_bf16_*: the last chunk to arrive combines); the q4
 // cache's exact and quantized partials and QSA's sparse ones end in attention_combine. The q4 cache never unrotates a row: with k = diag(s) H_n r,
 // q . k = (H_n diag(s) q) . r, so the block rotates q once; and sum_j p_j v_j = diag(s) H_n
 // (sum_j p_j r_j), so the rotated chunks' sums are unrotated once, in the combine.
 #include "common.cuh"
 
 #define ATT_WARPS 4
+#define GQA_MAX 8     // query heads a bf16 block serves in one pass over its keys (more: another pass)
 #define Q4_SINK 4      // engine.cache.SINK_ROWS
 #define Q4_RECENT 128  // engine.cache.RECENT_ROWS
 
@@ -36,15 +38,39 @@ __device__ void block_fwht(float* v, int n) {
 // Each gives, for query row t ending at `end` (= start + t + 1), a range [lo, hi) of row
 // indices, and the D = HD / 32 dims lane * D .. lane * D + D - 1 of a row's key or value.
 
+// D consecutive bf16 values widened, in one load (16 bytes at D = 8: HD 256) where D allows.
+template <int D>
+__device__ __forceinline__ void load_bf16_dims(const u16* p, float* d) {
+  if constexpr (D % 8 == 0) {
+#pragma unroll
+    for (int v = 0; v < D / 8; ++v) {
+      const uint4 w = reinterpret_cast<const uint4*>(p)[v];
+      const u32 pairs[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        d[8 * v + 2 * k] = __uint_as_float(pairs[k] << 16);
+        d[8 * v + 2 * k + 1] = __uint_as_float(pairs[k] & 0xFFFF0000u);
+      }
+    }
+  } else if constexpr (D % 2 == 0) {
+#pragma unroll
+    for (int k = 0; k < D / 2; ++k) {
+      const u32 pair = reinterpret_cast<const u32*>(p)[k];
+      d[2 * k] = __uint_as_float(pair << 16);
+      d[2 * k + 1] = __uint_as_float(pair & 0xFFFF0000u);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < D; ++e) d[e] = bf16_to_f32(p[e]);
+  }
+}
+
 template <int HD>
 struct Bf16Rows {  // all positions 0 .. end - 1
   const u16 *keys, *values;  // [kv, capacity, HD], already offset to the KV head
   __device__ void range(int end, int& lo, int& hi) const { lo = 0; hi = end; }
   __device__ void load(const u16* base, int i, int lane, float* d) const {
-    constexpr int D = HD / WARP;
-    const u16* p = base + (size_t)i * HD + lane * D;
-#pragma unroll
-    for (int e = 0; e < D; ++e) d[e] = bf16_to_f32(p[e]);
+    load_bf16_dims<HD / WARP>(base + (size_t)i * HD + lane * (HD / WARP), d);
   }
   __device__ void key(int i, int lane, float* d) const { load(keys, i, lane, d); }
   __device__ void value(int i, int lane, float* d) const { load(values, i, lane, d); }
@@ -215,30 +241,115 @@ __device__ void combine_head(const float* __restrict__ part_ml, const float* __r
                              int n_plain, int n_slots, const float* __restrict__ gates, long long gate_row_stride,
                              int gated, u16* y_bf16, signed char* y_q, float* y_scale, int forms);  // below
 
-// bf16 cache in one launch: the chunk partials, then (the last chunk of a row and head to arrive,
-// counted in arrivals[t * heads + h], left at 0) the combine of attention_combine, gate and forms
-// included. Launch: grid (chunks, heads, T), block 128.
+// bf16 cache, a block per (chunk c, KV head g, row t) for the G = heads / kv query heads that read g:
+// each key and value is loaded once for all of them (16 bytes a lane at HD 256; a block a query head
+// loaded it G times), in passes of GQA_MAX heads. Per head the sums run exactly as attention_partial's
+// (warp w takes rows lo + w, lo + w + ATT_WARPS, ..., then the warps merge), into the same slots
+// [t, h, c]. Chunks of GQA_CHUNK keys keep a short context's grid wide enough to fill the card.
+template <int HD>
+__device__ void attention_partial_group(const float* __restrict__ q, const u16* __restrict__ keys,
+                                        const u16* __restrict__ values, int capacity, const int* start, int heads,
+                                        int kv, int chunk, float scale, float* part_ml, float* part_acc) {
+  constexpr int D = HD / WARP;
+  __shared__ float qs[GQA_MAX][HD];
+  __shared__ float merge_m[ATT_WARPS], merge_l[ATT_WARPS], merge_acc[ATT_WARPS][HD];
+  const int g = blockIdx.y, t = blockIdx.z, G = heads / kv;
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const u16* K = keys + (size_t)g * capacity * HD;
+  const u16* V = values + (size_t)g * capacity * HD;
+  const int lo = blockIdx.x * chunk, hi = min(*start + t + 1, lo + chunk);
+  for (int first = 0; first < G; first += GQA_MAX) {
+    const int n = min(GQA_MAX, G - first);  // heads g * G + first .. + n - 1 this pass
+    __syncthreads();  // the previous pass's reads of qs and the merge buffers are done
+    for (int i = threadIdx.x; i < n * HD; i += blockDim.x)
+      qs[i / HD][i % HD] = q[((size_t)t * heads + g * G + first + i / HD) * HD + i % HD];
+    __syncthreads();
+    float m[GQA_MAX], l[GQA_MAX], acc[GQA_MAX][D];
+#pragma unroll
+    for (int j = 0; j < GQA_MAX; ++j) {
+      m[j] = NEG_INF;
+      l[j] = 0.0f;
+#pragma unroll
+      for (int e = 0; e < D; ++e) acc[j][e] = 0.0f;
+    }
+#pragma unroll 2
+    for (int i = lo + warp; i < hi; i += ATT_WARPS) {
+      float kd[D], vd[D];
+      load_bf16_dims<D>(K + (size_t)i * HD + lane * D, kd);
+      load_bf16_dims<D>(V + (size_t)i * HD + lane * D, vd);
+#pragma unroll
+      for (int j = 0; j < GQA_MAX; ++j) {
+        if (j < n) {
+          float s = 0.0f;
+#pragma unroll
+          for (int e = 0; e < D; ++e) s += qs[j][lane * D + e] * kd[e];
+          s = warp_sum(s) * scale;
+          const float m_new = fmaxf(m[j], s);
+          const float correction = expf(m[j] - m_new);  // 0 on the first row (m = -inf)
+          const float p = expf(s - m_new);
+          l[j] = l[j] * correction + p;
+#pragma unroll
+          for (int e = 0; e < D; ++e) acc[j][e] = acc[j][e] * correction + p * vd[e];
+          m[j] = m_new;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < GQA_MAX; ++j) {  // a head at a time through the merge buffers (4 KB at HD 256, not 32)
+      if (j >= n) break;
+      __syncthreads();  // the previous head's merge reads are done
+      if (lane == 0) { merge_m[warp] = m[j]; merge_l[warp] = l[j]; }
+#pragma unroll
+      for (int e = 0; e < D; ++e) merge_acc[warp][lane * D + e] = acc[j][e];
+      __syncthreads();
+      float M = NEG_INF;
+#pragma unroll
+      for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, merge_m[w]);
+      const size_t slot = ((size_t)t * heads + g * G + first + j) * gridDim.x + blockIdx.x;
+      for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+        float a = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w)
+          if (merge_m[w] != NEG_INF) a += expf(merge_m[w] - M) * merge_acc[w][i];
+        part_acc[slot * HD + i] = a;
+      }
+      if (threadIdx.x == 0) {
+        float L = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; ++w)
+          if (merge_m[w] != NEG_INF) L += expf(merge_m[w] - M) * merge_l[w];
+        part_ml[2 * slot] = M;
+        part_ml[2 * slot + 1] = L;
+      }
+    }
+  }
+}
+
+// bf16 cache in one launch: the group's chunk partials, then (the last chunk of a row and KV head to
+// arrive, counted in arrivals[t * kv + g], left at 0) the combine of attention_combine for each of its
+// query heads, gate and forms included. Launch: grid (chunks, kv, T), block 128.
 template <int HD>
 __device__ void attention_bf16(const float* q, const u16* keys, const u16* values, int capacity, const int* start,
                                int heads, int kv, int chunk, float scale, float* part_ml, float* part_acc,
                                int* arrivals, float* out, const float* gates, long long gate_row_stride, int gated,
                                u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
-  attention_partial_bf16<HD>(q, keys, values, capacity, start, heads, kv, chunk, scale, part_ml, part_acc, gridDim.x);
+  attention_partial_group<HD>(q, keys, values, capacity, start, heads, kv, chunk, scale, part_ml, part_acc);
   __shared__ bool last;
-  const int h = blockIdx.y, t = blockIdx.z;
-  __threadfence();  // this chunk's partial reaches device scope before its arrival counts
+  const int g = blockIdx.y, t = blockIdx.z, G = heads / kv;
+  __threadfence();  // this chunk's partials reach device scope before its arrival counts
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(arrivals + t * heads + h, 1) == gridDim.x - 1;
+  if (threadIdx.x == 0) last = atomicAdd(arrivals + t * kv + g, 1) == gridDim.x - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();
-  combine_head(part_ml, part_acc, nullptr, out, HD, h, t, heads, gridDim.x, gridDim.x, gates, gate_row_stride, gated,
-               y_bf16, y_q, y_scale, forms);
-  if (threadIdx.x == 0) arrivals[t * heads + h] = 0;
+  for (int h = g * G; h < (g + 1) * G; ++h)
+    combine_head(part_ml, part_acc, nullptr, out, HD, h, t, heads, gridDim.x, gridDim.x, gates, gate_row_stride, gated,
+                 y_bf16, y_q, y_scale, forms);
+  if (threadIdx.x == 0) arrivals[t * kv + g] = 0;
 }
 
 #define ATTENTION_PARTIALS(HD)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(128) attention_bf16_hd##HD(                                     \
+  extern "C" __global__ void __launch_bounds__(128, 4) attention_bf16_hd##HD(                                   \
       const float* q, const u16* keys, const u16* values, int capacity, const int* start, int heads, int kv,   \
       int chunk, float scale, float* part_ml, float* part_acc, int* arrivals, float* out, const float* gates,  \
       long long gate_row_stride, int gated, u16* y_bf16, signed char* y_q, float* y_scale, int forms) {        \

@@ -968,16 +968,18 @@ def partials(kind: str, HD: int, grid, a, source_of_row) -> None:
 
 
 def attention_bf16(HD: int):
-    """attention_bf16_hd<HD>: the bf16 partials of every block, then (the last chunk of each row and
-    head) attention_combine's output; the arrival counts are 0 at launch and left so."""
+    """attention_bf16_hd<HD>: block (chunk c, KV head g, row t) writes the bf16 partials of g's query
+    heads, then (the last chunk of each row and KV head) attention_combine's output for them; the
+    arrival counts are 0 at launch and left so."""
     partial = attention_partial("bf16", HD)
 
     def run(grid, block, a):
-        chunks, heads, T = grid
-        if np.any(take(a.arrivals, T * heads) != 0):
+        chunks, groups, T = grid
+        if np.any(take(a.arrivals, T * groups) != 0):
             raise ValueError("attention_bf16: an arrival count is not 0 at launch")
         a.n_slots = chunks  # one slot a chunk
-        partial(grid, block, a)
+        heads = groups * (int(a.heads) // int(a.kv))  # the query heads of the KV heads the grid covers
+        partial((chunks, heads, T), block, a)
         combine(a, heads, T, HD, chunks, chunks)
 
     return run

@@ -316,8 +316,8 @@ def attention_inputs(T, past, heads, kv, hd, seed):
 
 @pytest.mark.parametrize("T,past", [(1, 0), (1, 700), (6, 1500)])
 @pytest.mark.parametrize("hd", [64, 256])
-def test_attention_bf16_cache_matches_cpu(T, past, hd, cp):
-    heads, kv = 8, 2
+@pytest.mark.parametrize("heads,kv", [(8, 2), (24, 4), (32, 2)])  # a block serves 4, 6 or (in two passes) 16 query heads
+def test_attention_bf16_cache_matches_cpu(T, past, hd, heads, kv, cp):
     q, keys, values = attention_inputs(T, past, heads, kv, hd, seed=T + past)
     cache = gb.KVCache(kv, hd, capacity=past + T)
     cache.append(keys, in_wider_rows(values, cp), cp.asarray([0], cp.int32))
