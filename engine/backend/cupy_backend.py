@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import cupy as cp
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from duet.engine.backend import MAX_ROWS
 from duet.engine.cache import Q4_GROUP, RECENT_ROWS, SINK_ROWS
 from duet.engine.kernels.build import kernel
 from duet.engine.quant.activation import ACT_BLOCK
-from duet.engine.quant.gguf_blocks import BlockMatrix
+from duet.engine.quant.gguf_blocks import BlockMatrix, iq4_xs_sub_scales
 from duet.engine.quant.trellis import MULTIPLIERS, TrellisWeight, rotation_signs
 from duet.engine.quant.w4 import GROUP, W4Weight
 
@@ -300,6 +300,20 @@ INT8_CODECS = {GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_0: "q4
                GGMLQuantizationType.IQ4_XS: "iq4_xs"}
 
 
+def gguf_planes(weight: BlockMatrix) -> tuple[np.ndarray, np.ndarray]:
+    """A GGUF matrix's blocks as int8_gemv streams them (w4a8.cu's codecs): (quant plane uint8 [N, K]
+    (Q8_0) or [N, K / 2], each 32-input unit's bytes as the block stores them; scale words uint16 [N, ...]:
+    each unit's f16 d (Q8_0, Q4_0), or per 256 inputs (IQ4_XS) d then the 8 units' ls - 32 as int8 bytes)."""
+    (N, K), qtype = weight.shape, weight.qtype
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = weight.raw.reshape(N, -1, type_size)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.uint16)  # [N, blocks, 1]
+    if qtype == GGMLQuantizationType.IQ4_XS:
+        sub_scales = iq4_xs_sub_scales(blocks.reshape(-1, type_size)).reshape(N, -1, 8).view(np.uint16)  # [N, blocks, 4]
+        return np.ascontiguousarray(blocks[..., 8:]).reshape(N, -1), np.concatenate([d, sub_scales], axis=-1).reshape(N, -1)
+    return np.ascontiguousarray(blocks[..., 2:]).reshape(N, -1), d.reshape(N, -1)
+
+
 class W4A8Linear(RowSlicedLinear):
     """`w4a8`: int8 activations (absmax per 32), weights decoded to int8 per 32-input unit, dp4a
     integer dots, fp32 rescale by weight scale x activation scale. W4 weights and GGUF Q8_0, Q4_0,
@@ -313,9 +327,7 @@ class W4A8Linear(RowSlicedLinear):
         if isinstance(weight, W4Weight):
             self.codec, self.weights, self.scales = "w4", cp.asarray(weight.packed).view(cp.uint8), cp.asarray(weight.scales)
         elif isinstance(weight, BlockMatrix) and weight.qtype in INT8_CODECS:
-            # GGUF blocks carry their scales; the kernel's `scales` is unread, but never None: CuPy before
-            # 14 passes None as a null argument address, and the launch crashes
-            self.codec, self.weights, self.scales = INT8_CODECS[weight.qtype], cp.asarray(weight.raw), cp.zeros(1, cp.uint16)
+            self.codec, (self.weights, self.scales) = INT8_CODECS[weight.qtype], (cp.asarray(p) for p in gguf_planes(weight))
         else:
             kind = weight.qtype.name if isinstance(weight, BlockMatrix) else type(weight).__name__
             raise ValueError(f"w4a8 on the GPU runs W4, Q8_0, Q4_0 and IQ4_XS weights, not {kind}")

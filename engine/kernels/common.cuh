@@ -24,12 +24,6 @@ __device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
   return r;
 }
 
-__device__ __forceinline__ u32 ld_stream_u32(const void* p) {
-  u32 r;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
-  return r;
-}
-
 __device__ __forceinline__ u32 ld_stream_u16(const void* p) {
   u16 r;
   asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(r) : "l"(p));

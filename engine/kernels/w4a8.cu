@@ -75,13 +75,16 @@ extern "C" __global__ void rotate_quantize_int8(const float* __restrict__ x, con
 // ------------------------------------------------------------------------ weight codecs ---
 // Each codec decodes 32-input unit u of one weight row into eight int8x4 words, inputs 4i..4i+3
 // in word i (natural order, matching the activation's bytes), and returns the unit's fp32 scale.
-// `row` is the row's first byte; `scales` the W4 layout's bf16 scale row (other codecs keep
-// their scales inside the blocks).
+// `row` is the row's first byte; `scales` the row's scale words (scale_words(K) of them a row).
+// GGUF blocks are not streamed as the file stores them (34- and 18-byte blocks put a unit's bytes at
+// 2-byte boundaries): at upload they become a quant plane, each unit's bytes 16-byte aligned and read
+// with 16-byte loads as W4's are, and a plane of scale words (cupy_backend.gguf_planes).
 
 // Per byte a - b mod 256: nibble - 8 as a two's-complement int8 in every byte at once.
 __device__ __forceinline__ u32 sub8_bytes(u32 v) { return __vsub4(v, 0x08080808u); }
 
 struct W4Codec {  // engine W4 layout: word j holds inputs 8j + i at bits 4i; bf16 scale per 128
+  static __device__ __forceinline__ int scale_words(int K) { return K / 128; }
   static __device__ __forceinline__ float decode(const u8* row, const u16* scales, int u, u32* lv) {
     const uint4 w = ld_stream_u4(row + 16 * u);
     const u32 words[4] = {w.x, w.y, w.z, w.w};
@@ -96,30 +99,27 @@ struct W4Codec {  // engine W4 layout: word j holds inputs 8j + i at bits 4i; bf
   }
 };
 
-// GGUF blocks start at 2-byte boundaries (18 and 34 bytes), so their bytes are read as u16 pairs.
-__device__ __forceinline__ u32 ld_u32_from_u16s(const u8* p) {
-  return ld_stream_u16(p) | (ld_stream_u16(p + 2) << 16);
-}
-
-struct Q8_0Codec {  // 34 B / 32: d f16 | qs int8[32]; level = qs
-  static __device__ __forceinline__ float decode(const u8* row, const u16*, int u, u32* lv) {
-    const u8* block = row + 34 * u;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) lv[i] = ld_u32_from_u16s(block + 2 + 4 * i);
-    return f16_to_f32(ld_stream_u16(block));
+struct Q8_0Codec {  // planes: the 32 int8 levels of a unit (32 bytes), its f16 scale d
+  static __device__ __forceinline__ int scale_words(int K) { return K / 32; }
+  static __device__ __forceinline__ float decode(const u8* row, const u16* scales, int u, u32* lv) {
+    const uint4 a = ld_stream_u4(row + 32 * u), b = ld_stream_u4(row + 32 * u + 16);
+    lv[0] = a.x; lv[1] = a.y; lv[2] = a.z; lv[3] = a.w;
+    lv[4] = b.x; lv[5] = b.y; lv[6] = b.z; lv[7] = b.w;
+    return f16_to_f32(ld_stream_u16(scales + u));
   }
 };
 
-struct Q4_0Codec {  // 18 B / 32: d f16 | qs[16]; input k < 16 low nibble of qs[k], k >= 16 high of qs[k-16]
-  static __device__ __forceinline__ float decode(const u8* row, const u16*, int u, u32* lv) {
-    const u8* block = row + 18 * u;
+struct Q4_0Codec {  // planes: a unit's 16 bytes (input k < 16 the low nibble of byte k, k >= 16 the high of k - 16), f16 d
+  static __device__ __forceinline__ int scale_words(int K) { return K / 32; }
+  static __device__ __forceinline__ float decode(const u8* row, const u16* scales, int u, u32* lv) {
+    const uint4 w = ld_stream_u4(row + 16 * u);
+    const u32 qs[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const u32 qs = ld_u32_from_u16s(block + 2 + 4 * i);
-      lv[i] = sub8_bytes(qs & 0x0F0F0F0Fu);
-      lv[4 + i] = sub8_bytes((qs >> 4) & 0x0F0F0F0Fu);
+      lv[i] = sub8_bytes(qs[i] & 0x0F0F0F0Fu);
+      lv[4 + i] = sub8_bytes((qs[i] >> 4) & 0x0F0F0F0Fu);
     }
-    return f16_to_f32(ld_stream_u16(block));
+    return f16_to_f32(ld_stream_u16(scales + u));
   }
 };
 
@@ -137,20 +137,18 @@ __device__ __forceinline__ u32 iq4_lookup(u32 nibbles) {  // one nibble (0..15) 
   return (from_high & high) | (from_low & ~high);
 }
 
-struct IQ4_XSCodec {  // 136 B / 256: d f16 | scales_h u16 | scales_l[4] | qs[128]; 8 units of 32
-  static __device__ __forceinline__ float decode(const u8* row, const u16*, int u, u32* lv) {
-    const u8* block = row + 136 * (u / 8);
-    const int s = u % 8;
-    const u32 scales_h = ld_stream_u16(block + 2);
-    const u32 scales_l = ld_stream_u16(block + 4 + 2 * (s / 4));  // bytes 4 + s/2: read the u16 holding it
-    const u32 low4 = (scales_l >> (4 * (s % 4))) & 0xF;          // byte s/2, nibble s % 2
-    const int ls = (int)(low4 | (((scales_h >> (2 * s)) & 3) << 4)) - 32;
-    const u8* qs = block + 8 + 16 * s;  // 16 bytes: low nibbles are inputs 0..15, high 16..31
+struct IQ4_XSCodec {  // planes: a unit's 16 bytes of level indices (nibbles as Q4_0's); per 256 inputs five
+                      // scale words: the f16 d, then the 8 units' ls - 32 as int8 bytes; scale d * (ls - 32)
+  static __device__ __forceinline__ int scale_words(int K) { return 5 * (K / 256); }
+  static __device__ __forceinline__ float decode(const u8* row, const u16* scales, int u, u32* lv) {
+    const u16* block = scales + 5 * (u / 8);
+    const int ls = reinterpret_cast<const signed char*>(block + 1)[u % 8];
+    const uint4 w = ld_stream_u4(row + 16 * u);
+    const u32 qs[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const u32 q = ld_stream_u32(qs + 4 * i);
-      lv[i] = iq4_lookup(q & 0x0F0F0F0Fu);
-      lv[4 + i] = iq4_lookup((q >> 4) & 0x0F0F0F0Fu);
+      lv[i] = iq4_lookup(qs[i] & 0x0F0F0F0Fu);
+      lv[4 + i] = iq4_lookup((qs[i] >> 4) & 0x0F0F0F0Fu);
     }
     return f16_to_f32(ld_stream_u16(block)) * (float)ls;
   }
@@ -169,7 +167,7 @@ __device__ __forceinline__ void int8_row_dots(const u8* __restrict__ weights, co
                                               float* acc) {
   const int U = K / 32;
   const u8* row = weights + n * row_bytes;
-  const u16* row_scales = scales ? scales + (size_t)n * (K / 128) : nullptr;
+  const u16* row_scales = scales + (size_t)n * Codec::scale_words(K);
 #pragma unroll
   for (int t = 0; t < MAX_T; ++t) acc[t] = 0.0f;
   for (int u = lane; u < U; u += WARP) {
@@ -247,7 +245,7 @@ __device__ void int8_swiglu(const u8* __restrict__ weights, const u16* __restric
   }
 }
 
-// Launch: grid ceil(N / 8), block 256. row_bytes: bytes of one weight row (W4: K / 2).
+// Launch: grid ceil(N / 8), block 256. row_bytes: bytes of one weight row of the quant plane (K / 2; Q8_0: K).
 // int8_swiglu_*: grid I / 32, block 256; out [T, I].
 #define INT8_GEMV(codec_name, Codec)                                                                      \
   extern "C" __global__ void __launch_bounds__(256) int8_gemv_##codec_name(                              \

@@ -92,12 +92,16 @@ def decode_q6_k(blocks: np.ndarray) -> Decoded:
     return levels.reshape(-1, 16, 16), scale, None
 
 
-def decode_iq4_xs(blocks: np.ndarray) -> Decoded:
+def iq4_xs_sub_scales(blocks: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks [n, 136] -> each sub-block's ls - 32, int8 [n, 8] (its scale is d times it)."""
     high = np.ascontiguousarray(blocks[:, 2:4]).view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))
     low = (blocks[:, 4:8, None] >> np.array([0, 4], np.uint8)).reshape(-1, 8) & np.uint8(0xF)
-    ls = (low | ((high & 3).astype(np.uint8) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return (low | ((high & 3).astype(np.uint8) << np.uint8(4))).astype(np.int8) - np.int8(32)
+
+
+def decode_iq4_xs(blocks: np.ndarray) -> Decoded:
     levels = IQ4_KVALUES[_nibbles(blocks[:, 8:], 16).reshape(-1, 8, 32)]
-    return levels, _f16(blocks[:, :2]) * ls.astype(np.float32), None
+    return levels, _f16(blocks[:, :2]) * iq4_xs_sub_scales(blocks).astype(np.float32), None
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from duet.engine.checkpoint.safetensors import bf16_to_f32
 from duet.engine.flash_next import FlashCpuOps
 from duet.engine.kernels import build
 from duet.engine.quant.activation import f32_to_bf16_bits, quantize_int8_blocks
-from duet.engine.quant.gguf_blocks import BlockMatrix
+from duet.engine.quant.gguf_blocks import IQ4_KVALUES
 from duet.engine.quant.trellis import MULTIPLIERS, TrellisWeight, _hadamard_blocks
 from duet.engine.quant.w4 import W4Weight
 
@@ -672,14 +672,33 @@ INT8_CODECS = {"w4": None, "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuanti
 
 
 def int8_rows(codec: str, a, N: int, K: int, T: int, rows: np.ndarray) -> np.ndarray:
-    """The CPU W4A8 route's block dots of weight rows `rows` (of N) on the given codes: [T, len(rows)]."""
+    """The CPU W4A8 route's block dots of weight rows `rows` (of N) on the codes the kernel reads: [T, len(rows)]."""
     raw = take(a.weights, N, int(a.row_bytes))[rows]
+    q, ascale = take(a.q, T, K // 32, 32).astype(np.float32), take(a.ascale, T, K // 32)
     if codec == "w4":
         weight = W4Weight(raw.view(np.uint32), take(a.scales, N, K // 128)[rows])
-    else:
-        weight = BlockMatrix(INT8_CODECS[codec], raw, K)
-    q = take(a.q, T, K // 32, 32).astype(np.float32)
-    return cpu.W4A8Linear(weight)._rows(*weight.decode_rows(0, len(rows)), q, take(a.ascale, T, K // 32))
+        return cpu.W4A8Linear(weight)._rows(*weight.decode_rows(0, len(rows)), q, ascale)
+    words = 5 * K // 256 if codec == "iq4_xs" else K // 32  # a row's scale words (w4a8.cu's scale_words)
+    levels, scale = plane_units(codec, raw, take(a.scales, N, words)[rows], K)
+    dots = np.einsum("rus,tus->tru", levels, q)  # exact in fp32: |dot| <= 32 x 127 x 127
+    return (dots * (scale[None] * ascale[:, None, :])).sum(axis=-1)
+
+
+def plane_units(codec: str, quants: np.ndarray, scales: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """w4a8.cu's GGUF plane codecs: (levels fp32 [rows, K / 32, 32], scale fp32 [rows, K / 32]) of rows of a
+    quant plane and their scale words."""
+    rows, units = quants.shape[0], K // 32
+    if codec == "q8_0":
+        levels = quants.view(np.int8).reshape(rows, units, 32)
+        return levels.astype(np.float32), scales.view(np.float16).astype(np.float32)
+    unit_bytes = quants.reshape(rows, units, 16)
+    nibbles = np.concatenate([unit_bytes & 0xF, unit_bytes >> 4], axis=-1)  # input k < 16: low nibble of byte k
+    if codec == "q4_0":
+        return nibbles.astype(np.float32) - 8, scales.view(np.float16).astype(np.float32)
+    words = scales.reshape(rows, K // 256, 5)  # per 256 inputs: d, then 8 int8 ls - 32
+    d = words[..., 0].view(np.float16).astype(np.float32)
+    ls = np.ascontiguousarray(words[..., 1:]).view(np.int8).astype(np.float32)  # [rows, K / 256, 8]
+    return IQ4_KVALUES[nibbles].astype(np.float32), (d[..., None] * ls).reshape(rows, units)
 
 
 def int8_gemv(codec: str):
