@@ -14,8 +14,9 @@ prefilled, then a verify pass of 1 to 16 rows: uncaptured, and replayed as a CUD
 limit is the bill of bytes (engine/placement.py, from the model's tensor headers as `duet models
 info` computes it: the W4 decoder and int4 head, the DeltaNet and conv state read and written,
 the KV cache at the context, the state snapshots of the extra rows) over the copy bandwidth.
-The engine keeps DeltaNet's small in_proj_a/b in fp32 where the bill counts them 16-bit (0.7% of
-the bytes); the bill's bf16 rescoring rows are not read (this head is the int4 one alone).
+DeltaNet's in_proj is stacked as the assembler stacks a W4 checkpoint's (qkv | z in W4, in_proj_b | a
+in bf16, multiplied in the DeltaNet launch); the bill's bf16 rescoring rows are not read (this head
+is the int4 one alone).
 
     duet bench gpu [--json] [--repeats N] [--layers N]
 """
@@ -189,6 +190,7 @@ def random_device_model(c, route: str, seed: int = 0):
     matrices as CuPy arrays in W4Weight, which the route's GPU Linear takes without a copy. Both
     routes share the matrices of one call to `random_device_weights`."""
     from duet.engine import model as m
+    from duet.engine.backend import cupy_backend as gb
     from duet.engine.backend.cupy_model import GpuOps
 
     ops = GpuOps(c)
@@ -201,11 +203,11 @@ def random_device_model(c, route: str, seed: int = 0):
         if kind == "full_attention":
             a = p + "self_attn."
             mixer = m.Attention(linear(w[a + "qkv"]), linear(w[a + "o_proj"]), ones(c.head_dim), ones(c.head_dim), c, ops)
-        else:
+        else:  # in_proj as the assembler stacks a W4 checkpoint's: qkv | z in W4 beside in_proj_b | in_proj_a in bf16
             d, hv = p + "linear_attn.", c.linear_num_value_heads
-            small = lambda: linear(rng.standard_normal((hv, c.hidden_size)).astype(np.float32) * 0.01)  # noqa: E731
-            in_proj = ops.concat_outputs([linear(w[d + "in_proj_qkv"]), linear(w[d + "in_proj_z"]), small(), small()])
-            conv = rng.standard_normal((w[d + "in_proj_qkv"].shape[0], c.linear_conv_kernel_dim)).astype(np.float32)
+            in_proj = ops.concat_outputs([linear(w[d + "in_proj_qkvz"]), gb.BF16Linear(w[d + "in_proj_ba"])])
+            channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + hv * c.linear_value_head_dim
+            conv = rng.standard_normal((channels, c.linear_conv_kernel_dim)).astype(np.float32)
             mixer = m.DeltaNet(in_proj, ops.vector(conv), ops.vector(-np.exp(rng.uniform(0, 2.5, hv))), ones(hv),
                                ones(c.linear_value_head_dim), linear(w[d + "out_proj"]), c, ops)
         ffn = m.MLP(linear(w[p + "mlp.gate_up"]), linear(w[p + "mlp.down"]), ops)
@@ -245,14 +247,19 @@ def _make_device_weights(c, seed: int) -> dict:
     shapes = tensor_shapes(c)
     for name, shape in shapes.items():
         if name.endswith(("gate_proj.weight", "up_proj.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight")) \
-                or len(shape) != 2 or "in_proj_a" in name or "in_proj_b" in name or name.startswith(("model.embed", "lm_head")):
+                or len(shape) != 2 or "in_proj" in name or name.startswith(("model.embed", "lm_head")):
             continue
         out[name.removesuffix(".weight")] = w4(*shape)
-    for i, kind in enumerate(c.layer_types):  # gate | up and q | k | v stacked by rows, as the assembler stacks them
+    for i, kind in enumerate(c.layer_types):  # gate | up, q | k | v, qkv | z stacked by rows, as the assembler stacks them
         out[f"model.layers.{i}.mlp.gate_up"] = w4(2 * c.intermediate_size, c.hidden_size)
         if kind == "full_attention":
             rows = sum(shapes[f"model.layers.{i}.self_attn.{n}_proj.weight"][0] for n in "qkv")
             out[f"model.layers.{i}.self_attn.qkv"] = w4(rows, c.hidden_size)
+        else:
+            d = f"model.layers.{i}.linear_attn."
+            out[d + "in_proj_qkvz"] = w4(sum(shapes[f"{d}in_proj_{n}.weight"][0] for n in ("qkv", "z")), c.hidden_size)
+            ba = cp.random.standard_normal((2 * c.linear_num_value_heads, c.hidden_size), dtype=cp.float32) * 0.01
+            out[d + "in_proj_ba"] = (ba.view(cp.uint32) >> 16).astype(cp.uint16)  # bf16 bits (truncated: any will do)
     out = {k.replace(".mlp.down_proj", ".mlp.down"): v for k, v in out.items()}
     return out
 
