@@ -295,6 +295,14 @@ def quantize_int8(x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
     return q, scale
 
 
+INT8_WARP_ROWS = 4  # w4a8.cu's: weight rows an int8 GEMV warp takes, sharing the activation loads
+
+
+def _int8_width(T: int) -> int:
+    """The int8 kernels' token rows (w4a8.cu's _t4 and _t16 variants: the registers T needs)."""
+    return 4 if T <= 4 else 16
+
+
 # Codecs the int8 GEMV decodes on the device: kernel suffix per storage form.
 INT8_CODECS = {GGMLQuantizationType.Q8_0: "q8_0", GGMLQuantizationType.Q4_0: "q4_0",
                GGMLQuantizationType.IQ4_XS: "iq4_xs"}
@@ -338,8 +346,8 @@ class W4A8Linear(RowSlicedLinear):
         q, scale = (x.q, x.scale) if isinstance(x, Activations) and x.q is not None else quantize_int8(device_f32(x))
         T = q.shape[0]
         out = cp.empty((T, self.N), cp.float32)
-        kernel("w4a8", f"int8_gemv_{self.codec}")(
-            (_blocks(self.N, 8),), (256,),
+        kernel("w4a8", f"int8_gemv_{self.codec}_t{_int8_width(T)}")(
+            (_blocks(self.N, 8 * INT8_WARP_ROWS),), (256,),
             (self.weights, self.scales, _i64(self.row_bytes), q, scale, out, _i32(self.N), _i32(self.K), _i32(T)))
         return out
 
@@ -367,7 +375,7 @@ class SwiGLUW4A8Linear(W4A8Linear):
             q, scale = (part.q, part.scale) if isinstance(part, Activations) and part.q is not None else \
                 quantize_int8(device_f32(part))
             rows_of = lambda form, flag: form[rows] if int(emit) & flag else form  # noqa: E731 (a stand-in stays whole)
-            kernel("w4a8", f"int8_swiglu_{self.codec}")(
+            kernel("w4a8", f"int8_swiglu_{self.codec}_t{_int8_width(q.shape[0])}")(
                 (I // 32,), (256,),
                 (self.weights, self.scales, _i64(self.row_bytes), q, scale, out[rows], _i32(I), _i32(self.K),
                  _i32(q.shape[0]), rows_of(bf16, EMIT_BF16), rows_of(q_out, EMIT_INT8), rows_of(scale_out, EMIT_INT8), emit))

@@ -26,9 +26,9 @@ KERNEL_DIR = Path(__file__).resolve().parent
 KERNELS = {
     "w4a16": ("w4a16_gemm_t8", "w4a16_gemm_t16", "w4a16_swiglu_t8", "w4a16_swiglu_t16", "f32_to_bf16_bits"),
     "dense": ("bf16_gemv", "bf16_swiglu", "embed_bf16"),
-    "w4a8": ("quantize_int8_blocks", "rotate_quantize_int8", "int8_gemv_w4", "int8_gemv_q8_0", "int8_gemv_q4_0",
-             "int8_gemv_iq4_xs", "int8_swiglu_w4", "int8_swiglu_q8_0", "int8_swiglu_q4_0", "int8_swiglu_iq4_xs",
-             "trellis_gemv"),
+    "w4a8": ("quantize_int8_blocks", "rotate_quantize_int8", "trellis_gemv",
+             *(f"int8_{kind}_{codec}_t{rows}" for kind in ("gemv", "swiglu") for codec in ("w4", "q8_0", "q4_0", "iq4_xs")
+               for rows in (4, 16))),
     "deltanet": ("deltanet_rows_dk32", "deltanet_rows_dk64", "deltanet_rows_dk128"),
     "attention": tuple(f"attention_{kind}_hd{hd}" for hd in (64, 128, 256)
                        for kind in ("bf16", "partial_q4", "partial_exact"))

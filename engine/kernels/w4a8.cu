@@ -155,57 +155,76 @@ struct IQ4_XSCodec {  // planes: a unit's 16 bytes of level indices (nibbles as 
 };
 
 // ------------------------------------------------------------------ int8 GEMV (dp4a) ---
-// One warp per weight row, 8 rows per block; lane L takes units L, L + 32, ... of the row, so a
-// warp's loads cover 32 consecutive units (contiguous bytes). Per unit and token: eight dp4a
-// (exact int32), one fp32 multiply by weight scale x activation scale (the product formed first,
-// as the CPU does), one fp32 add. Lanes are summed at the end.
-// This lane's share of weight row n's sums for T token rows into acc[t] (summed over lanes by the caller).
-template <class Codec>
-__device__ __forceinline__ void int8_row_dots(const u8* __restrict__ weights, const u16* __restrict__ scales,
-                                              long long row_bytes, const signed char* __restrict__ q,
-                                              const float* __restrict__ ascale, int n, int K, int T, int lane,
-                                              float* acc) {
+// A warp takes INT8_WARP_ROWS consecutive weight rows, lane L units L, L + 32, ... of each, so a
+// warp's loads cover 32 consecutive units (contiguous bytes) of a row and every activation load
+// serves all its rows (at 16 tokens the activation loads were 32 of every 33 bytes a warp read).
+// Per unit, row and token: eight dp4a (exact int32), one fp32 multiply by weight scale x activation
+// scale (the product formed first, as the CPU does), one fp32 add; a row's lanes are summed at the
+// end. A row's sums run in the same order whatever rows share its warp and however many tokens run.
+#define INT8_WARP_ROWS 4
+
+// This lane's share of the sums of weight rows n .. n + rows - 1 (rows <= R) for T <= MT token rows
+// into acc[r][t] (summed over lanes by the caller). The _t4 kernels (MT = 4: a decode step, a short
+// verify) hold 16 sums a lane, the _t16 ones 64: each has the registers its rows need.
+template <class Codec, int R, int MT>
+__device__ __forceinline__ void int8_rows_dots(const u8* __restrict__ weights, const u16* __restrict__ scales,
+                                               long long row_bytes, const signed char* __restrict__ q,
+                                               const float* __restrict__ ascale, int n, int rows, int K, int T,
+                                               int lane, float (&acc)[R][MT]) {
   const int U = K / 32;
-  const u8* row = weights + n * row_bytes;
-  const u16* row_scales = scales + (size_t)n * Codec::scale_words(K);
 #pragma unroll
-  for (int t = 0; t < MAX_T; ++t) acc[t] = 0.0f;
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < MT; ++t) acc[r][t] = 0.0f;
   for (int u = lane; u < U; u += WARP) {
-    u32 lv[8];
-    const float ws = Codec::decode(row, row_scales, u, lv);
+    u32 lv[R][8];
+    float ws[R];
 #pragma unroll
-    for (int t = 0; t < MAX_T; ++t) {
+    for (int r = 0; r < R; ++r)
+      if (r < rows) ws[r] = Codec::decode(weights + (n + r) * row_bytes, scales + (size_t)(n + r) * Codec::scale_words(K), u, lv[r]);
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
       if (t < T) {
         const uint4* a = reinterpret_cast<const uint4*>(q + (size_t)t * K + 32 * u);
         const uint4 a0 = a[0], a1 = a[1];
-        int dot = __dp4a((int)lv[0], (int)a0.x, 0);
-        dot = __dp4a((int)lv[1], (int)a0.y, dot);
-        dot = __dp4a((int)lv[2], (int)a0.z, dot);
-        dot = __dp4a((int)lv[3], (int)a0.w, dot);
-        dot = __dp4a((int)lv[4], (int)a1.x, dot);
-        dot = __dp4a((int)lv[5], (int)a1.y, dot);
-        dot = __dp4a((int)lv[6], (int)a1.z, dot);
-        dot = __dp4a((int)lv[7], (int)a1.w, dot);
-        acc[t] += (float)dot * (ws * ascale[(size_t)t * U + u]);
+        const float as = ascale[(size_t)t * U + u];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (r < rows) {
+            int dot = __dp4a((int)lv[r][0], (int)a0.x, 0);
+            dot = __dp4a((int)lv[r][1], (int)a0.y, dot);
+            dot = __dp4a((int)lv[r][2], (int)a0.z, dot);
+            dot = __dp4a((int)lv[r][3], (int)a0.w, dot);
+            dot = __dp4a((int)lv[r][4], (int)a1.x, dot);
+            dot = __dp4a((int)lv[r][5], (int)a1.y, dot);
+            dot = __dp4a((int)lv[r][6], (int)a1.z, dot);
+            dot = __dp4a((int)lv[r][7], (int)a1.w, dot);
+            acc[r][t] += (float)dot * (ws[r] * as);
+          }
+        }
       }
     }
   }
 }
 
-template <class Codec>
+template <class Codec, int MT>
 __device__ void int8_gemv(const u8* __restrict__ weights, const u16* __restrict__ scales, long long row_bytes,
                           const signed char* __restrict__ q, const float* __restrict__ ascale,
                           float* __restrict__ out, int N, int K, int T) {
   const int lane = threadIdx.x % WARP;
-  const int n = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  const int n = (blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP) * INT8_WARP_ROWS;
   if (n >= N) return;
-  float acc[MAX_T];
-  int8_row_dots<Codec>(weights, scales, row_bytes, q, ascale, n, K, T, lane, acc);
+  const int rows = min(INT8_WARP_ROWS, N - n);
+  float acc[INT8_WARP_ROWS][MT];
+  int8_rows_dots<Codec, INT8_WARP_ROWS, MT>(weights, scales, row_bytes, q, ascale, n, rows, K, T, lane, acc);
 #pragma unroll
-  for (int t = 0; t < MAX_T; ++t) {
-    if (t < T) {
-      const float sum = warp_sum(acc[t]);
-      if (lane == 0) out[(size_t)t * N + n] = sum;
+  for (int r = 0; r < INT8_WARP_ROWS; ++r) {
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      if (r < rows && t < T) {
+        const float sum = warp_sum(acc[r][t]);
+        if (lane == 0) out[(size_t)t * N + n + r] = sum;
+      }
     }
   }
 }
@@ -214,24 +233,25 @@ __device__ void int8_gemv(const u8* __restrict__ weights, const u16* __restrict_
 // sum), each sum as int8_gemv makes it and silu_mul's step after (no silu_mul launch), also in the
 // emitted forms (the down projection's input: an int8 block is 32 features, so a block of 8 warps
 // takes 32 features, 4 a warp, and warp 0 emits them). I % 32 == 0.
-template <class Codec>
+template <class Codec, int MT>
 __device__ void int8_swiglu(const u8* __restrict__ weights, const u16* __restrict__ scales, long long row_bytes,
                             const signed char* __restrict__ q, const float* __restrict__ ascale,
                             float* __restrict__ out, int I, int K, int T, u16* y_bf16, signed char* y_q,
                             float* y_scale, int forms) {
-  __shared__ float swiglu[MAX_T][WARP];
+  __shared__ float swiglu[MT][WARP];
   const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-  const int first = blockIdx.x * WARP;  // the block's first feature
-  for (int j = 0; j < 4; ++j) {
-    const int f = 4 * warp + j;
-    float gate[MAX_T], up[MAX_T];
-    int8_row_dots<Codec>(weights, scales, row_bytes, q, ascale, first + f, K, T, lane, gate);
-    int8_row_dots<Codec>(weights, scales, row_bytes, q, ascale, I + first + f, K, T, lane, up);
+  const int first = blockIdx.x * WARP + INT8_WARP_ROWS * warp;  // this warp's first feature
+  float gate[INT8_WARP_ROWS][MT], up[INT8_WARP_ROWS][MT];
+  int8_rows_dots<Codec, INT8_WARP_ROWS, MT>(weights, scales, row_bytes, q, ascale, first, INT8_WARP_ROWS, K, T, lane, gate);
+  int8_rows_dots<Codec, INT8_WARP_ROWS, MT>(weights, scales, row_bytes, q, ascale, I + first, INT8_WARP_ROWS, K, T, lane,
+                                            up);
 #pragma unroll
-    for (int t = 0; t < MAX_T; ++t) {
+  for (int f = 0; f < INT8_WARP_ROWS; ++f) {
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
       if (t < T) {
-        const float g = warp_sum(gate[t]), u = warp_sum(up[t]);
-        if (lane == 0) swiglu[t][f] = silu_f(g) * u;
+        const float g = warp_sum(gate[f][t]), u = warp_sum(up[f][t]);
+        if (lane == 0) swiglu[t][INT8_WARP_ROWS * warp + f] = silu_f(g) * u;
       }
     }
   }
@@ -239,29 +259,33 @@ __device__ void int8_swiglu(const u8* __restrict__ weights, const u16* __restric
   if (warp != 0) return;
   for (int t = 0; t < T; ++t) {
     const float v = swiglu[t][lane];
-    const size_t at = (size_t)t * I + first + lane;
+    const size_t at = (size_t)t * I + blockIdx.x * WARP + lane;
     out[at] = v;
     emit_forms(v, at, forms, y_bf16, y_q, y_scale);
   }
 }
 
-// Launch: grid ceil(N / 8), block 256. row_bytes: bytes of one weight row of the quant plane (K / 2; Q8_0: K).
-// int8_swiglu_*: grid I / 32, block 256; out [T, I].
-#define INT8_GEMV(codec_name, Codec)                                                                      \
-  extern "C" __global__ void __launch_bounds__(256) int8_gemv_##codec_name(                              \
+// Launch: grid ceil(N / (8 INT8_WARP_ROWS)), block 256. row_bytes: bytes of one weight row of the quant
+// plane (K / 2; Q8_0: K). int8_swiglu_*: grid I / 32, block 256 (8 warps of INT8_WARP_ROWS = 4 features); out [T, I].
+#define INT8_KERNELS(codec_name, Codec, MT)                                                               \
+  extern "C" __global__ void __launch_bounds__(256) int8_gemv_##codec_name##_t##MT(                      \
       const u8* weights, const u16* scales, long long row_bytes, const signed char* q, const float* ascale, \
       float* out, int N, int K, int T) {                                                                  \
-    int8_gemv<Codec>(weights, scales, row_bytes, q, ascale, out, N, K, T);                                \
+    int8_gemv<Codec, MT>(weights, scales, row_bytes, q, ascale, out, N, K, T);                            \
   }                                                                                                       \
-  extern "C" __global__ void __launch_bounds__(256) int8_swiglu_##codec_name(                            \
+  extern "C" __global__ void __launch_bounds__(256) int8_swiglu_##codec_name##_t##MT(                    \
       const u8* weights, const u16* scales, long long row_bytes, const signed char* q, const float* ascale, \
       float* out, int I, int K, int T, u16* y_bf16, signed char* y_q, float* y_scale, int forms) {          \
-    int8_swiglu<Codec>(weights, scales, row_bytes, q, ascale, out, I, K, T, y_bf16, y_q, y_scale, forms);   \
+    int8_swiglu<Codec, MT>(weights, scales, row_bytes, q, ascale, out, I, K, T, y_bf16, y_q, y_scale, forms); \
   }
-INT8_GEMV(w4, W4Codec)
-INT8_GEMV(q8_0, Q8_0Codec)
-INT8_GEMV(q4_0, Q4_0Codec)
-INT8_GEMV(iq4_xs, IQ4_XSCodec)
+INT8_KERNELS(w4, W4Codec, 4)
+INT8_KERNELS(w4, W4Codec, 16)
+INT8_KERNELS(q8_0, Q8_0Codec, 4)
+INT8_KERNELS(q8_0, Q8_0Codec, 16)
+INT8_KERNELS(q4_0, Q4_0Codec, 4)
+INT8_KERNELS(q4_0, Q4_0Codec, 16)
+INT8_KERNELS(iq4_xs, IQ4_XSCodec, 4)
+INT8_KERNELS(iq4_xs, IQ4_XSCodec, 16)
 
 // --------------------------------------------------------------------------- trellis ---
 // engine/quant/trellis.py: a 16 x 8 tile (row-major, weight t = 8 * row + col) is a circular

@@ -98,7 +98,7 @@ _ENTRY = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+(?:, \
 
 
 def expand_macros(text: str) -> str:
-    """Expand the function-like macros that stamp out kernels (INT8_GEMV(w4, W4Codec) and the like)."""
+    """Expand the function-like macros that stamp out kernels (INT8_KERNELS(w4, W4Codec, 4) and the like)."""
     macros, text = _MACRO.findall(text), _MACRO.sub("", text)
     for name, params, body in macros:
         names = [p.strip() for p in params.split(",")]
@@ -107,7 +107,7 @@ def expand_macros(text: str) -> str:
         def expand(call, names=names, body=body):
             for param, value in zip(names, (v.strip() for v in call.group(1).split(","))):
                 body = re.sub(rf"##{param}\b|\b{param}\b", value, body)
-            return body
+            return body.replace("##", "")  # what is left pastes text to text: name_##x##_t8 -> name_x_t8
 
         text = re.sub(rf"^{name}\(([^)]*)\)\s*$", expand, text, flags=re.M)
     return text
@@ -701,22 +701,26 @@ def plane_units(codec: str, quants: np.ndarray, scales: np.ndarray, K: int) -> t
     return IQ4_KVALUES[nibbles].astype(np.float32), (d[..., None] * ls).reshape(rows, units)
 
 
-def int8_gemv(codec: str):
-    """int8_gemv_<codec>: a warp per weight row."""
+def int8_gemv(codec: str, width: int):
+    """int8_gemv_<codec>_t<width>: a warp per INT8_WARP_ROWS weight rows, up to `width` token rows."""
 
     def run(grid, block, a):
         N, K, T = int(a.N), int(a.K), int(a.T)
-        rows = min(N, threads(grid, block) // 32)
+        if T > width:
+            raise ValueError(f"int8_gemv_{codec}_t{width} takes up to {width} token rows, not {T}")
+        rows = min(N, threads(grid, block) // 32 * constant("w4a8", "INT8_WARP_ROWS"))
         take(a.out, T, N)[:, :rows] = int8_rows(codec, a, N, K, T, np.arange(rows))
 
     return run
 
 
-def int8_swiglu(codec: str):
-    """int8_swiglu_<codec>: a block per 32 features: silu(gate row f) * (up row I + f), with its forms."""
+def int8_swiglu(codec: str, width: int):
+    """int8_swiglu_<codec>_t<width>: a block per 32 features: silu(gate row f) * (up row I + f), with its forms."""
 
     def run(grid, block, a):
         I, K, T = int(a.I), int(a.K), int(a.T)
+        if T > width:
+            raise ValueError(f"int8_swiglu_{codec}_t{width} takes up to {width} token rows, not {T}")
         if block[0] != 256:
             raise ValueError("int8_swiglu: 8 warps of 4 features each: blocks of 256")
         features = np.arange(min(I, 32 * grid[0]))
@@ -1145,8 +1149,8 @@ TWINS = {
     "w4a16_swiglu_t8": w4a16_gemm(1, swiglu=True), "w4a16_swiglu_t16": w4a16_gemm(2, swiglu=True),
     "f32_to_bf16_bits": f32_to_bf16_bits_twin,
     "quantize_int8_blocks": quantize_int8_blocks_twin, "rotate_quantize_int8": rotate_quantize_int8,
-    **{f"int8_gemv_{codec}": int8_gemv(codec) for codec in INT8_CODECS},
-    **{f"int8_swiglu_{codec}": int8_swiglu(codec) for codec in INT8_CODECS}, "trellis_gemv": trellis_gemv,
+    **{f"int8_{kind}_{codec}_t{width}": make(codec, width) for kind, make in (("gemv", int8_gemv), ("swiglu", int8_swiglu))
+       for codec in INT8_CODECS for width in (4, 16)}, "trellis_gemv": trellis_gemv,
     **{f"deltanet_rows_dk{dk}": deltanet_rows(dk) for dk in (32, 64, 128)},
     **{f"attention_bf16_hd{hd}": attention_bf16(hd) for hd in (64, 128, 256)},
     **{f"attention_partial_{kind}_hd{hd}": attention_partial(kind, hd) for hd in (64, 128, 256)
