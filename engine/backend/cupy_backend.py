@@ -230,9 +230,7 @@ class W4A16Linear(RowSlicedLinear):
         self.packed = cp.asarray(weight.packed)
         self.scales = cp.asarray(weight.scales)
         self.N, self.K = N, K
-        groups, tiles = K // GROUP, N // 16
-        self.splits = max(1, min(groups // 8, _blocks(4 * _sm_count(), tiles)))
-        self.arrivals = cp.zeros(tiles if self.splits > 1 else 1, cp.int32)
+        self.splits, self.arrivals = _tile_splits(N, K)
 
     def run_rows(self, x: cp.ndarray | Activations) -> cp.ndarray:
         T = x.shape[0]
@@ -276,6 +274,14 @@ class SwiGLUW4A16Linear(W4A16Linear):
                 (self.packed, self.scales, xb, partial, out[rows], self.arrivals, _i32(self.N), _i32(self.K), _i32(t),
                  bf16[rows] if forms & EMIT_BF16 else bf16, _i32(forms & EMIT_BF16)))
         return Activations(out, bf16, None, None) if forms & EMIT_BF16 else out
+
+
+def _tile_splits(N: int, K: int) -> tuple[int, cp.ndarray]:
+    """How many blocks share a 16-row tile's 128-groups in the W4 tensor-core kernels (8 warps a
+    block, a group a warp at least; splits until ~4 blocks an SM), and the tiles' arrival counts."""
+    groups, tiles = K // GROUP, N // 16
+    splits = max(1, min(groups // 8, _blocks(4 * _sm_count(), tiles)))
+    return splits, cp.zeros(tiles if splits > 1 else 1, cp.int32)
 
 
 def to_bf16_bits(x: cp.ndarray) -> cp.ndarray:
@@ -323,17 +329,21 @@ def gguf_planes(weight: BlockMatrix) -> tuple[np.ndarray, np.ndarray]:
 
 
 class W4A8Linear(RowSlicedLinear):
-    """`w4a8`: int8 activations (absmax per 32), weights decoded to int8 per 32-input unit, dp4a
-    integer dots, fp32 rescale by weight scale x activation scale. W4 weights and GGUF Q8_0, Q4_0,
-    IQ4_XS blocks."""
+    """`w4a8`: int8 activations (absmax per 32), weights decoded to int8 per 32-input unit, exact
+    integer dots, fp32 rescale by weight scale x activation scale. W4 weights in 16-row tiles on int8
+    tensor cores (w4a8_mma_*), GGUF Q8_0, Q4_0, IQ4_XS blocks (and W4 of other row counts) by dp4a
+    (int8_gemv_*); either way one kernel for every T, so a verify row has its decode step's bits."""
 
     route = "w4a8"
     READS = EMIT_INT8
 
     def __init__(self, weight: W4Weight | BlockMatrix):
         N, K = weight.shape
+        self.tensor_cores = isinstance(weight, W4Weight) and N % 16 == 0 and K % GROUP == 0
         if isinstance(weight, W4Weight):
             self.codec, self.weights, self.scales = "w4", cp.asarray(weight.packed).view(cp.uint8), cp.asarray(weight.scales)
+            if self.tensor_cores:
+                self.splits, self.arrivals = _tile_splits(N, K)
         elif isinstance(weight, BlockMatrix) and weight.qtype in INT8_CODECS:
             self.codec, (self.weights, self.scales) = INT8_CODECS[weight.qtype], (cp.asarray(p) for p in gguf_planes(weight))
         else:
@@ -346,6 +356,13 @@ class W4A8Linear(RowSlicedLinear):
         q, scale = (x.q, x.scale) if isinstance(x, Activations) and x.q is not None else quantize_int8(device_f32(x))
         T = q.shape[0]
         out = cp.empty((T, self.N), cp.float32)
+        if self.tensor_cores:
+            partial = cp.empty((self.splits, T, self.N), cp.float32) if self.splits > 1 else out  # one split: unread
+            kernel("w4a8", "w4a8_mma_t8" if T <= 8 else "w4a8_mma_t16")(
+                (self.N // 16, self.splits), (256,),
+                (self.weights.view(cp.uint32), self.scales, q, scale, partial, out, self.arrivals, _i32(self.N), _i32(self.K),
+                 _i32(T)))
+            return out
         kernel("w4a8", f"int8_gemv_{self.codec}_t{_int8_width(T)}")(
             (_blocks(self.N, 8 * INT8_WARP_ROWS),), (256,),
             (self.weights, self.scales, _i64(self.row_bytes), q, scale, out, _i32(self.N), _i32(self.K), _i32(T)))

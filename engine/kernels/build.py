@@ -26,7 +26,7 @@ KERNEL_DIR = Path(__file__).resolve().parent
 KERNELS = {
     "w4a16": ("w4a16_gemm_t8", "w4a16_gemm_t16", "w4a16_swiglu_t8", "w4a16_swiglu_t16", "f32_to_bf16_bits"),
     "dense": ("bf16_gemv", "bf16_swiglu", "embed_bf16"),
-    "w4a8": ("quantize_int8_blocks", "rotate_quantize_int8", "trellis_gemv",
+    "w4a8": ("quantize_int8_blocks", "rotate_quantize_int8", "trellis_gemv", "w4a8_mma_t8", "w4a8_mma_t16",
              *(f"int8_{kind}_{codec}_t{rows}" for kind in ("gemv", "swiglu") for codec in ("w4", "q8_0", "q4_0", "iq4_xs")
                for rows in (4, 16))),
     "deltanet": ("deltanet_rows_dk32", "deltanet_rows_dk64", "deltanet_rows_dk128"),

@@ -24,6 +24,12 @@ __device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
   return r;
 }
 
+__device__ __forceinline__ u32 ld_stream_u32(const void* p) {
+  u32 r;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+
 __device__ __forceinline__ u32 ld_stream_u16(const void* p) {
   u16 r;
   asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(r) : "l"(p));
@@ -214,3 +220,48 @@ __device__ __forceinline__ void row_dots(const u16* __restrict__ wr, const float
 
 // Launch: grid ceil(N / DENSE_WARPS), block 32 * DENSE_WARPS; K % 8 == 0, 1 <= T <= 16; x fp32 [T, K]
 // contiguous, out fp32 [T, N].
+
+// ------------------------------------------------------------------ 16-row tile sums ---
+// The sums of a block's 16-row tile (rows 16 blockIdx.x ..) from its warps' mma accumulators (C
+// layout, gid = lane / 4, tig = lane % 4: acc[n][0], acc[n][1] row gid, tokens 8n + 2tig, 8n + 2tig + 1;
+// acc[n][2], acc[n][3] row gid + 8), added in warp order, into `sum` for thread (r = threadIdx.x / 16,
+// t = threadIdx.x % 16): row r of the tile, token t. With gridDim.y splits of the groups, each split
+// writes its sums into partial (splits x [T, N]) and the tile's last split to arrive sums them in
+// split order: its writes reach device scope before its arrival counts (threadfence), it reads them
+// past L1 (ld.global.cg) and sets arrivals[blockIdx.x] back to 0 for the next launch (a captured graph
+// replays the same counts). Returns false in a block with nothing left to do. Blocks of 256 threads.
+template <int WARPS, int TILES>
+__device__ __forceinline__ bool tile_sums(const float (&acc)[TILES][4], float (&red)[WARPS][16][16],
+                                          float* __restrict__ partial, int* __restrict__ arrivals, int N, int T,
+                                          float& sum) {
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, gid = lane / 4, tig = lane % 4;
+#pragma unroll
+  for (int n = 0; n < TILES; ++n) {
+    red[warp][gid][8 * n + 2 * tig] = acc[n][0];
+    red[warp][gid][8 * n + 2 * tig + 1] = acc[n][1];
+    red[warp][gid + 8][8 * n + 2 * tig] = acc[n][2];
+    red[warp][gid + 8][8 * n + 2 * tig + 1] = acc[n][3];
+  }
+  __syncthreads();
+  const int r = threadIdx.x / 16, t = threadIdx.x % 16;
+  const bool mine = t < T && t < 8 * TILES;
+  const size_t at = (size_t)t * N + blockIdx.x * 16 + r;
+  sum = 0.0f;
+  if (mine)
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) sum += red[w][r][t];
+  if (gridDim.y == 1) return true;
+  __shared__ bool last;
+  if (mine) partial[(size_t)blockIdx.y * T * N + at] = sum;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(arrivals + blockIdx.x, 1) == (int)gridDim.y - 1;
+  __syncthreads();
+  if (!last) return false;
+  __threadfence();
+  sum = 0.0f;
+  if (mine)
+    for (int s = 0; s < (int)gridDim.y; ++s) sum += __ldcg(partial + (size_t)s * T * N + at);
+  if (threadIdx.x == 0) arrivals[blockIdx.x] = 0;
+  return true;
+}

@@ -131,41 +131,12 @@ __device__ void w4a16_gemm(const u32* __restrict__ packed, const u16* __restrict
     }
   }
 
-  // Sum the warps' partial sums in a fixed order (deterministic) and write [T, N]: the output itself
-  // when one split covers every group, else this split's partial.
-#pragma unroll
-  for (int n = 0; n < TILES; ++n) {
-    red[warp][gid][8 * n + 2 * tig] = acc[n][0];
-    red[warp][gid][8 * n + 2 * tig + 1] = acc[n][1];
-    red[warp][gid + 8][8 * n + 2 * tig] = acc[n][2];
-    red[warp][gid + 8][8 * n + 2 * tig + 1] = acc[n][3];
-  }
-  __syncthreads();
-  const int splits = gridDim.y;
+  // The warps' sums in a fixed order (deterministic), then the splits' (common.cuh)
+  float sum;
+  if (!tile_sums<W4_WARPS, TILES>(acc, red, partial, arrivals, N, T, sum)) return;
   const int r = threadIdx.x / 16, t = threadIdx.x % 16;  // 256 threads = 16 rows x 16 tokens
   const bool mine = t < T && t < 8 * TILES;
   const size_t at = (size_t)t * N + row0 + r;
-  float sum = 0.0f;
-  if (mine)
-#pragma unroll
-    for (int w = 0; w < W4_WARPS; ++w) sum += red[w][r][t];
-  if (splits > 1) {
-    // The tile's last split sums the partials in split order: its writes reach device scope before
-    // its arrival counts (threadfence), and the last arrival reads them past L1 (ld.global.cg); it
-    // then sets the count back to 0 for the next launch (a captured graph replays the same counts).
-    __shared__ bool last;
-    if (mine) partial[(size_t)blockIdx.y * T * N + at] = sum;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(arrivals + blockIdx.x, 1) == splits - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    sum = 0.0f;
-    if (mine)
-      for (int s = 0; s < splits; ++s) sum += __ldcg(partial + (size_t)s * T * N + at);
-    if (threadIdx.x == 0) arrivals[blockIdx.x] = 0;
-  }
   if (!SWIGLU) {
     if (mine) out[at] = sum;
     return;

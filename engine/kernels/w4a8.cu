@@ -83,18 +83,21 @@ extern "C" __global__ void rotate_quantize_int8(const float* __restrict__ x, con
 // Per byte a - b mod 256: nibble - 8 as a two's-complement int8 in every byte at once.
 __device__ __forceinline__ u32 sub8_bytes(u32 v) { return __vsub4(v, 0x08080808u); }
 
+// A W4 word (inputs 0..7 at bits 4i, each level + 8) as two int8x4: inputs 0..3 and 4..7.
+__device__ __forceinline__ void w4_word_levels(u32 word, u32& first, u32& second) {
+  const u32 even = word & 0x0F0F0F0Fu;         // inputs 0, 2, 4, 6 of the word, one per byte
+  const u32 odd = (word >> 4) & 0x0F0F0F0Fu;   // inputs 1, 3, 5, 7
+  first = sub8_bytes(prmt(even, odd, 0x5140));   // bytes: even0 odd0 even1 odd1 = inputs 0..3
+  second = sub8_bytes(prmt(even, odd, 0x7362));  // inputs 4..7
+}
+
 struct W4Codec {  // engine W4 layout: word j holds inputs 8j + i at bits 4i; bf16 scale per 128
   static __device__ __forceinline__ int scale_words(int K) { return K / 128; }
   static __device__ __forceinline__ float decode(const u8* row, const u16* scales, int u, u32* lv) {
     const uint4 w = ld_stream_u4(row + 16 * u);
     const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const u32 even = words[j] & 0x0F0F0F0Fu;         // inputs 0, 2, 4, 6 of the word, one per byte
-      const u32 odd = (words[j] >> 4) & 0x0F0F0F0Fu;   // inputs 1, 3, 5, 7
-      lv[2 * j] = sub8_bytes(prmt(even, odd, 0x5140));     // bytes: even0 odd0 even1 odd1 = inputs 0..3
-      lv[2 * j + 1] = sub8_bytes(prmt(even, odd, 0x7362)); // inputs 4..7
-    }
+    for (int j = 0; j < 4; ++j) w4_word_levels(words[j], lv[2 * j], lv[2 * j + 1]);
     return bf16_to_f32(ld_stream_u16(scales + u / 4));
   }
 };
@@ -286,6 +289,101 @@ INT8_KERNELS(q4_0, Q4_0Codec, 4)
 INT8_KERNELS(q4_0, Q4_0Codec, 16)
 INT8_KERNELS(iq4_xs, IQ4_XSCodec, 4)
 INT8_KERNELS(iq4_xs, IQ4_XSCodec, 16)
+
+// ---------------------------------------------------------- W4 on int8 tensor cores ---
+// W4 weights on the w4a8 route, y [T, N] for 1..16 token rows per weight read: one
+// mma.sync m16n8k32 s8 per 32-input unit of a 16-row tile and 8 tokens (a second n8 tile reuses the
+// decoded weights), whose int32 dots are exact; then per unit, row and token, as int8_gemv and the
+// CPU: acc += (float)dot * (weight scale x activation scale). dp4a took 8 instructions a unit, row
+// and token: at 16 tokens the ALUs, not the memory, set the pace.
+//
+// PTX fragments of m16n8k32 .s8 (gid = lane / 4, tig = lane % 4; "k-int" j holds k 4j .. 4j + 3):
+//   A a0: row gid, k-int tig    a1: row gid + 8, k-int tig    a2: row gid, k-int 4 + tig    a3: row gid + 8, k-int 4 + tig
+//   B b0: token gid, k-int tig  b1: token gid, k-int 4 + tig
+//   C c0, c1: row gid, tokens 2tig, 2tig + 1    c2, c3: row gid + 8
+// Only A and B's agreement on which input sits in a k slot matters: thread tig puts the unit's inputs
+// 8tig .. 8tig + 3 in k-int tig and 8tig + 4 .. 8tig + 7 in k-int 4 + tig, which is W4 word tig of the
+// unit (w4_word_levels) and 8 consecutive activation bytes (one 8-byte load).
+//
+// A block owns a 16-row tile, its W4A8_WARPS warps split the tile's 128-groups (warp w: groups w, w +
+// W4A8_WARPS, ...) and blockIdx.y splits them across blocks as w4a16.cu does; tile_sums (common.cuh)
+// adds the warps' and the splits' sums in fixed orders. A row's sums run in the same order for any T.
+#define W4A8_WARPS 8
+
+__device__ __forceinline__ void mma_s8_16832(int (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int TILES>
+__device__ void w4a8_mma(const u32* __restrict__ packed, const u16* __restrict__ scales,
+                         const signed char* __restrict__ q, const float* __restrict__ ascale,
+                         float* __restrict__ partial, float* __restrict__ out, int* __restrict__ arrivals, int N, int K,
+                         int T) {
+  __shared__ float red[W4A8_WARPS][16][16];  // per warp: [tile row][token]
+  const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+  const int gid = lane / 4, tig = lane % 4;
+  const int G = K / 128, U = K / 32, row0 = blockIdx.x * 16;
+  const u32* row_lo = packed + (size_t)(row0 + gid) * (K / 8);
+  const u32* row_hi = row_lo + (size_t)8 * (K / 8);
+  const u16* scale_lo = scales + (size_t)(row0 + gid) * G;
+  const u16* scale_hi = scale_lo + (size_t)8 * G;
+
+  float acc[TILES][4];
+#pragma unroll
+  for (int n = 0; n < TILES; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  for (int g = blockIdx.y * W4A8_WARPS + warp; g < G; g += W4A8_WARPS * gridDim.y) {
+    u32 lo[4], hi[4];  // word tig of each of the group's 4 units, rows gid and gid + 8 (all loads first)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = ld_stream_u32(row_lo + 16 * g + 4 * j + tig);
+      hi[j] = ld_stream_u32(row_hi + 16 * g + 4 * j + tig);
+    }
+    const float s_lo = bf16_to_f32(ld_stream_u16(scale_lo + g)), s_hi = bf16_to_f32(ld_stream_u16(scale_hi + g));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int u = 4 * g + j;
+      u32 a0, a1, a2, a3;
+      w4_word_levels(lo[j], a0, a2);
+      w4_word_levels(hi[j], a1, a3);
+#pragma unroll
+      for (int n = 0; n < TILES; ++n) {
+        const int token = 8 * n + gid, t0 = 8 * n + 2 * tig;
+        uint2 b = make_uint2(0, 0);  // tokens past T multiply as zeros
+        if (token < T) b = *reinterpret_cast<const uint2*>(q + (size_t)token * K + 32 * u + 8 * tig);
+        int c[4] = {0, 0, 0, 0};
+        mma_s8_16832(c, a0, a1, a2, a3, b.x, b.y);
+        const float as0 = t0 < T ? ascale[(size_t)t0 * U + u] : 0.0f;
+        const float as1 = t0 + 1 < T ? ascale[(size_t)(t0 + 1) * U + u] : 0.0f;
+        acc[n][0] += (float)c[0] * (s_lo * as0);
+        acc[n][1] += (float)c[1] * (s_lo * as1);
+        acc[n][2] += (float)c[2] * (s_hi * as0);
+        acc[n][3] += (float)c[3] * (s_hi * as1);
+      }
+    }
+  }
+  float sum;
+  if (!tile_sums<W4A8_WARPS, TILES>(acc, red, partial, arrivals, N, T, sum)) return;
+  const int r = threadIdx.x / 16, t = threadIdx.x % 16;
+  if (t < T && t < 8 * TILES) out[(size_t)t * N + row0 + r] = sum;
+}
+
+// One n8 tile (T <= 8) or two (T <= 16). Launch: grid (N / 16, splits), block 256; N % 16 == 0,
+// K % 128 == 0; with splits > 1, partial holds splits x [T, N] and arrivals N / 16 counts, 0 at launch.
+extern "C" __global__ void __launch_bounds__(256) w4a8_mma_t8(const u32* packed, const u16* scales, const signed char* q,
+                                                              const float* ascale, float* partial, float* out,
+                                                              int* arrivals, int N, int K, int T) {
+  w4a8_mma<1>(packed, scales, q, ascale, partial, out, arrivals, N, K, T);
+}
+
+extern "C" __global__ void __launch_bounds__(256) w4a8_mma_t16(const u32* packed, const u16* scales, const signed char* q,
+                                                               const float* ascale, float* partial, float* out,
+                                                               int* arrivals, int N, int K, int T) {
+  w4a8_mma<2>(packed, scales, q, ascale, partial, out, arrivals, N, K, T);
+}
 
 // --------------------------------------------------------------------------- trellis ---
 // engine/quant/trellis.py: a 16 x 8 tile (row-major, weight t = 8 * row + col) is a circular

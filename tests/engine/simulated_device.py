@@ -701,6 +701,35 @@ def plane_units(codec: str, quants: np.ndarray, scales: np.ndarray, K: int) -> t
     return IQ4_KVALUES[nibbles].astype(np.float32), (d[..., None] * ls).reshape(rows, units)
 
 
+def w4a8_mma(tiles: int):
+    """w4a8_mma_t8 (one n8 tile) / t16: each unit's exact int8 dots of the W4 rows, times weight scale x
+    activation scale; split y sums the groups its warps take (warp w: groups 8y + w, then every
+    8 * splits) into its partial output [T, N] (the output itself with one split); each tile's last
+    split then sums the partials in split order into the output and sets its arrival count back to 0."""
+    warps = constant("w4a8", "W4A8_WARPS")
+
+    def run(grid, block, a):
+        N, K, T = int(a.N), int(a.K), int(a.T)
+        rows, splits, tokens, U = min(N, 16 * grid[0]), grid[1], min(T, 8 * tiles), K // 32
+        weight = W4Weight(take(a.packed, N, K // 8)[:rows], take(a.scales, N, K // 128)[:rows])
+        levels, scale, _ = weight.decode_rows(0, rows)  # [rows, K / 128, 128], [rows, K / 128]
+        q = take(a.q, T, U, 32).astype(np.float32)[:tokens]
+        dots = np.einsum("rus,tus->tru", levels.reshape(rows, U, 32), q)  # exact in fp32
+        terms = dots * (np.repeat(scale, 4, axis=1)[None] * take(a.ascale, T, U)[:tokens, None, :])  # [T, rows, U]
+        split_of_unit = (np.arange(U) // 4 // warps) % splits
+        sums = np.stack([terms[..., split_of_unit == s].sum(axis=-1) for s in range(splits)])  # [splits, T, rows]
+        if splits > 1:
+            if np.any(take(a.arrivals, grid[0]) != 0):
+                raise ValueError("w4a8_mma: a tile's arrival count is not 0 at launch")
+            take(a.partial, splits, T, N)[:, :tokens, :rows] = sums
+        total = np.zeros((tokens, rows), np.float32)
+        for part in sums:  # in split order, as the last split adds
+            total += part
+        take(a.out, T, N)[:tokens, :rows] = total
+
+    return run
+
+
 def int8_gemv(codec: str, width: int):
     """int8_gemv_<codec>_t<width>: a warp per INT8_WARP_ROWS weight rows, up to `width` token rows."""
 
@@ -1149,6 +1178,7 @@ TWINS = {
     "w4a16_swiglu_t8": w4a16_gemm(1, swiglu=True), "w4a16_swiglu_t16": w4a16_gemm(2, swiglu=True),
     "f32_to_bf16_bits": f32_to_bf16_bits_twin,
     "quantize_int8_blocks": quantize_int8_blocks_twin, "rotate_quantize_int8": rotate_quantize_int8,
+    "w4a8_mma_t8": w4a8_mma(1), "w4a8_mma_t16": w4a8_mma(2),
     **{f"int8_{kind}_{codec}_t{width}": make(codec, width) for kind, make in (("gemv", int8_gemv), ("swiglu", int8_swiglu))
        for codec in INT8_CODECS for width in (4, 16)}, "trellis_gemv": trellis_gemv,
     **{f"deltanet_rows_dk{dk}": deltanet_rows(dk) for dk in (32, 64, 128)},
