@@ -126,6 +126,32 @@ struct ExactRows {  // the sink and the recent window: index i < n_sink is sink 
 };
 
 // -------------------------------------------------------------------------- partials ---
+// The block's warps' running max, sum and weighted values of one head (merge_* in shared memory,
+// warp w's at [w]) rescaled to their common max and written to partial slot `slot`: an empty chunk
+// (every warp's max -inf) writes (-inf, 0) and zeros.
+template <int HD>
+__device__ __forceinline__ void write_merged(const float* merge_m, const float* merge_l, const float (*merge_acc)[HD],
+                                             size_t slot, float* part_ml, float* part_acc) {
+  float M = NEG_INF;
+#pragma unroll
+  for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, merge_m[w]);
+  for (int i = threadIdx.x; i < HD; i += blockDim.x) {
+    float a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; ++w)
+      if (merge_m[w] != NEG_INF) a += expf(merge_m[w] - M) * merge_acc[w][i];
+    part_acc[slot * HD + i] = a;
+  }
+  if (threadIdx.x == 0) {
+    float L = 0.0f;
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; ++w)
+      if (merge_m[w] != NEG_INF) L += expf(merge_m[w] - M) * merge_l[w];
+    part_ml[2 * slot] = M;
+    part_ml[2 * slot + 1] = L;
+  }
+}
+
 // Block (chunk c, query head h, row t): rows lo + c * chunk .. of the source's range; warp w takes
 // every ATT_WARPS-th row with its own running max m, sum l and weighted values acc (D dims per
 // lane); the four warps merge in shared memory. Output slot: chunk_offset + c of n_slots.
@@ -162,25 +188,8 @@ __device__ void attention_partial(const Rows& rows, const float* qs, int row_lo,
 #pragma unroll
   for (int e = 0; e < D; ++e) merge_acc[warp][lane * D + e] = acc[e];
   __syncthreads();
-  float M = NEG_INF;
-#pragma unroll
-  for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, merge_m[w]);
-  const size_t slot = ((size_t)t * heads + h) * n_slots + chunk_offset + blockIdx.x;
-  for (int i = threadIdx.x; i < HD; i += blockDim.x) {
-    float a = 0.0f;
-#pragma unroll
-    for (int w = 0; w < ATT_WARPS; ++w)
-      if (merge_m[w] != NEG_INF) a += expf(merge_m[w] - M) * merge_acc[w][i];
-    part_acc[slot * HD + i] = a;
-  }
-  if (threadIdx.x == 0) {
-    float L = 0.0f;
-#pragma unroll
-    for (int w = 0; w < ATT_WARPS; ++w)
-      if (merge_m[w] != NEG_INF) L += expf(merge_m[w] - M) * merge_l[w];
-    part_ml[2 * slot] = M;
-    part_ml[2 * slot + 1] = L;
-  }
+  write_merged<HD>(merge_m, merge_l, merge_acc, ((size_t)t * heads + h) * n_slots + chunk_offset + blockIdx.x,
+                   part_ml, part_acc);
 }
 
 // Launch (all partials): grid (chunks, heads, T), block 128. q compact [T, heads, HD] fp32.
@@ -302,25 +311,8 @@ __device__ void attention_partial_group(const float* __restrict__ q, const u16* 
 #pragma unroll
       for (int e = 0; e < D; ++e) merge_acc[warp][lane * D + e] = acc[j][e];
       __syncthreads();
-      float M = NEG_INF;
-#pragma unroll
-      for (int w = 0; w < ATT_WARPS; ++w) M = fmaxf(M, merge_m[w]);
-      const size_t slot = ((size_t)t * heads + g * G + first + j) * gridDim.x + blockIdx.x;
-      for (int i = threadIdx.x; i < HD; i += blockDim.x) {
-        float a = 0.0f;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w)
-          if (merge_m[w] != NEG_INF) a += expf(merge_m[w] - M) * merge_acc[w][i];
-        part_acc[slot * HD + i] = a;
-      }
-      if (threadIdx.x == 0) {
-        float L = 0.0f;
-#pragma unroll
-        for (int w = 0; w < ATT_WARPS; ++w)
-          if (merge_m[w] != NEG_INF) L += expf(merge_m[w] - M) * merge_l[w];
-        part_ml[2 * slot] = M;
-        part_ml[2 * slot + 1] = L;
-      }
+      write_merged<HD>(merge_m, merge_l, merge_acc, ((size_t)t * heads + g * G + first + j) * gridDim.x + blockIdx.x,
+                       part_ml, part_acc);
     }
   }
 }
