@@ -108,6 +108,14 @@ def _emitted(y: cp.ndarray, forms: int) -> tuple[tuple, Activations | cp.ndarray
     return (bf16, q, scale, _i32(forms)), result
 
 
+def _emitted_rows(emit: tuple, rows: slice) -> tuple:
+    """_emitted's emit arguments for rows of its output: the buffers the forms ask for, sliced; the
+    one-element stand-ins of the others whole."""
+    bf16, q, scale, forms = emit
+    int8 = int(forms) & EMIT_INT8
+    return (bf16[rows] if int(forms) & EMIT_BF16 else bf16, q[rows] if int8 else q, scale[rows] if int8 else scale, forms)
+
+
 def _sm_count() -> int:
     return cp.cuda.Device().attributes["MultiProcessorCount"]
 
@@ -304,6 +312,12 @@ def quantize_int8(x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray]:
 INT8_WARP_ROWS = 4  # w4a8.cu's: weight rows an int8 GEMV warp takes, sharing the activation loads
 
 
+def _int8_input(x: cp.ndarray | Activations) -> tuple[cp.ndarray, cp.ndarray]:
+    """x as the int8 kernels read it: (codes [T, K], scale per 32 [T, K / 32]), the emitted forms when
+    the kernel that made x wrote them, else quantized here."""
+    return (x.q, x.scale) if isinstance(x, Activations) and x.q is not None else quantize_int8(device_f32(x))
+
+
 def _int8_width(T: int) -> int:
     """The int8 kernels' token rows (w4a8.cu's _t4 and _t16 variants: the registers T needs)."""
     return 4 if T <= 4 else 16
@@ -353,7 +367,7 @@ class W4A8Linear(RowSlicedLinear):
         self.N, self.K = N, K
 
     def run_rows(self, x: cp.ndarray | Activations) -> cp.ndarray:
-        q, scale = (x.q, x.scale) if isinstance(x, Activations) and x.q is not None else quantize_int8(device_f32(x))
+        q, scale = _int8_input(x)
         T = q.shape[0]
         out = cp.empty((T, self.N), cp.float32)
         if self.tensor_cores:
@@ -385,17 +399,15 @@ class SwiGLUW4A8Linear(W4A8Linear):
     def swiglu(self, x, forms: int = 0) -> cp.ndarray | Activations:
         """silu(gate) * up [T, N / 2] of x [T, K], also in the emitted `forms` (then Activations)."""
         T, I = x.shape[0], self.N // 2
+        q, scale = _int8_input(x)
         out = cp.empty((T, I), cp.float32)
-        (bf16, q_out, scale_out, emit), result = _emitted(out, forms)
+        emit, result = _emitted(out, forms)
         for rows in _row_slices(T):
-            part = x[rows] if isinstance(x, Activations) else device_f32(x)[rows]
-            q, scale = (part.q, part.scale) if isinstance(part, Activations) and part.q is not None else \
-                quantize_int8(device_f32(part))
-            rows_of = lambda form, flag: form[rows] if int(emit) & flag else form  # noqa: E731 (a stand-in stays whole)
-            kernel("w4a8", f"int8_swiglu_{self.codec}_t{_int8_width(q.shape[0])}")(
+            t = rows.stop - rows.start
+            kernel("w4a8", f"int8_swiglu_{self.codec}_t{_int8_width(t)}")(
                 (I // 32,), (256,),
-                (self.weights, self.scales, _i64(self.row_bytes), q, scale, out[rows], _i32(I), _i32(self.K),
-                 _i32(q.shape[0]), rows_of(bf16, EMIT_BF16), rows_of(q_out, EMIT_INT8), rows_of(scale_out, EMIT_INT8), emit))
+                (self.weights, self.scales, _i64(self.row_bytes), q[rows], scale[rows], out[rows], _i32(I), _i32(self.K),
+                 _i32(t), *_emitted_rows(emit, rows)))
         return result
 
 
@@ -591,19 +603,17 @@ def deltanet(mixed, z, layer, Hk: int, dk: int, state: DeltaNetState, slices, ep
         x, K = device_f32(x), ba_weight.shape[1]
         b = a = cp.empty((T, 1), cp.float32)  # unread stand-ins
         ba_stride = 0
-    taps = device_f32(layer.conv)
+    taps, decay_rate, dt_bias, norm = (device_f32(v) for v in (layer.conv, layer.decay_rate, layer.dt_bias, layer.norm))
     y = cp.empty((T, Hv * dv), cp.float32)
-    (y_bf16, y_q, y_scale, emit), result = _emitted(y, forms)
+    emit, result = _emitted(y, forms)
     for piece, start in slices:  # each slice writes its rows of y and of the forms it emits
         t = piece.stop - piece.start
         o = cp.empty((t, Hv, dv), cp.float32)
-        rows_of = lambda form, flag: form[piece] if int(emit) & flag else form  # noqa: E731 (a stand-in stays whole)
         kernel("deltanet", f"deltanet_rows_dk{dk}")(
             (Hv, dv // 32), (128,),
             (mixed[piece], taps, state.ring, start, b[piece], a[piece], ba_weight, x[piece] if K else x, _i32(K),
-             device_f32(layer.decay_rate), device_f32(layer.dt_bias), state.recurrent, state.row_states, o, z[piece],
-             device_f32(layer.norm), _f32(eps), _i32(sigmoid), y[piece], rows_of(y_bf16, EMIT_BF16), rows_of(y_q, EMIT_INT8),
-             rows_of(y_scale, EMIT_INT8), emit, state.arrivals, _i32(t), _i32(Hk), _i32(Hv), _i32(dv), _i32(taps.shape[1]),
+             decay_rate, dt_bias, state.recurrent, state.row_states, o, z[piece], norm, _f32(eps), _i32(sigmoid), y[piece],
+             *_emitted_rows(emit, piece), state.arrivals, _i32(t), _i32(Hk), _i32(Hv), _i32(dv), _i32(taps.shape[1]),
              _i64(in_stride), _f32(dk ** -0.5), _i64(ba_stride), _i64(z_stride)))
     return result
 
