@@ -326,18 +326,11 @@ __device__ void attention_bf16(const float* q, const u16* keys, const u16* value
                                int* arrivals, float* out, const float* gates, long long gate_row_stride, int gated,
                                u16* y_bf16, signed char* y_q, float* y_scale, int forms) {
   attention_partial_group<HD>(q, keys, values, capacity, start, heads, kv, chunk, scale, part_ml, part_acc);
-  __shared__ bool last;
   const int g = blockIdx.y, t = blockIdx.z, G = heads / kv;
-  __threadfence();  // this chunk's partials reach device scope before its arrival counts
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(arrivals + t * kv + g, 1) == gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!last_to_arrive(arrivals + t * kv + g, gridDim.x)) return;
   for (int h = g * G; h < (g + 1) * G; ++h)
     combine_head(part_ml, part_acc, nullptr, out, HD, h, t, heads, gridDim.x, gridDim.x, gates, gate_row_stride, gated,
                  y_bf16, y_q, y_scale, forms);
-  if (threadIdx.x == 0) arrivals[t * kv + g] = 0;
 }
 
 #define ATTENTION_PARTIALS(HD)                                                                                  \

@@ -221,15 +221,31 @@ __device__ __forceinline__ void row_dots(const u16* __restrict__ wr, const float
 // Launch: grid ceil(N / DENSE_WARPS), block 32 * DENSE_WARPS; K % 8 == 0, 1 <= T <= 16; x fp32 [T, K]
 // contiguous, out fp32 [T, N].
 
+// ----------------------------------------------------------------- last block to arrive ---
+// Whether this block is the last of `blocks` to arrive at *count (the same answer in every thread).
+// The block's writes before the call reach device scope before it counts (threadfence), so the last
+// one sees every other block's (read them past L1: __ldcg); it sets *count back to 0 for the next
+// launch (a captured graph replays the same counts). Every thread of the block calls it.
+__device__ __forceinline__ bool last_to_arrive(int* count, int blocks) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(count, 1) == blocks - 1;
+  __syncthreads();
+  if (!last) return false;
+  __threadfence();
+  if (threadIdx.x == 0) *count = 0;
+  return true;
+}
+
 // ------------------------------------------------------------------ 16-row tile sums ---
 // The sums of a block's 16-row tile (rows 16 blockIdx.x ..) from its warps' mma accumulators (C
 // layout, gid = lane / 4, tig = lane % 4: acc[n][0], acc[n][1] row gid, tokens 8n + 2tig, 8n + 2tig + 1;
 // acc[n][2], acc[n][3] row gid + 8), added in warp order, into `sum` for thread (r = threadIdx.x / 16,
 // t = threadIdx.x % 16): row r of the tile, token t. With gridDim.y splits of the groups, each split
-// writes its sums into partial (splits x [T, N]) and the tile's last split to arrive sums them in
-// split order: its writes reach device scope before its arrival counts (threadfence), it reads them
-// past L1 (ld.global.cg) and sets arrivals[blockIdx.x] back to 0 for the next launch (a captured graph
-// replays the same counts). Returns false in a block with nothing left to do. Blocks of 256 threads.
+// writes its sums into partial (splits x [T, N]) and the tile's last split to arrive
+// (arrivals[blockIdx.x]) sums them in split order. Returns false in a block with nothing left to do.
+// Blocks of 256 threads.
 template <int WARPS, int TILES>
 __device__ __forceinline__ bool tile_sums(const float (&acc)[TILES][4], float (&red)[WARPS][16][16],
                                           float* __restrict__ partial, int* __restrict__ arrivals, int N, int T,
@@ -251,17 +267,10 @@ __device__ __forceinline__ bool tile_sums(const float (&acc)[TILES][4], float (&
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) sum += red[w][r][t];
   if (gridDim.y == 1) return true;
-  __shared__ bool last;
   if (mine) partial[(size_t)blockIdx.y * T * N + at] = sum;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(arrivals + blockIdx.x, 1) == (int)gridDim.y - 1;
-  __syncthreads();
-  if (!last) return false;
-  __threadfence();
+  if (!last_to_arrive(arrivals + blockIdx.x, gridDim.y)) return false;
   sum = 0.0f;
   if (mine)
     for (int s = 0; s < (int)gridDim.y; ++s) sum += __ldcg(partial + (size_t)s * T * N + at);
-  if (threadIdx.x == 0) arrivals[blockIdx.x] = 0;
   return true;
 }
