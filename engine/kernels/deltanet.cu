@@ -68,19 +68,21 @@ __device__ __forceinline__ void conv_to_ring(const float* __restrict__ mixed, fl
 // arrival count a head, left at 0 for the next launch) reads the o [T, Hv, DV] the others wrote and
 // norms every row, as a launch of its own did (thread-strided sums of squares, then block_sum).
 // Launch: grid (Hv, DV / 32), block 128.
-// The gated norm of head h's rows (see above), by one block.
-__device__ __forceinline__ void gated_norm(const float* __restrict__ out, const float* __restrict__ z,
-                                        const float* __restrict__ w, float eps, int sigmoid, float* __restrict__ y,
-                                        u16* y_bf16, signed char* y_q, float* y_scale, int forms, int T, int Hv, int DV,
-                                        int h, long long z_stride, float* scratch) {
+// The gated norm of head h's rows (see above), by one block. o was written by the head's other blocks
+// in this launch: read past L1 (__ldcg), never through the read-only cache a const __restrict__
+// pointer lets the compiler pick.
+__device__ __forceinline__ void gated_norm(const float* out, const float* __restrict__ z,
+                                           const float* __restrict__ w, float eps, int sigmoid, float* __restrict__ y,
+                                           u16* y_bf16, signed char* y_q, float* y_scale, int forms, int T, int Hv,
+                                           int DV, int h, long long z_stride, float* scratch) {
   for (int t = 0; t < T; ++t) {
     const float* row = out + ((size_t)t * Hv + h) * DV;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < DV; i += blockDim.x) ss += row[i] * row[i];
+    for (int i = threadIdx.x; i < DV; i += blockDim.x) ss += __ldcg(row + i) * __ldcg(row + i);
     const float denom = sqrtf(block_sum(ss, scratch) / (float)DV + eps);
     for (int i = threadIdx.x; i < DV; i += blockDim.x) {  // whole warps a pass (DV % 32 == 0): emit_forms' int8 blocks
       const float gate = z[(size_t)t * z_stride + (size_t)h * DV + i];
-      const float value = row[i] / denom * w[i] * (sigmoid ? sigmoid_f(gate) : silu_f(gate));
+      const float value = __ldcg(row + i) / denom * w[i] * (sigmoid ? sigmoid_f(gate) : silu_f(gate));
       const size_t at = ((size_t)t * Hv + h) * DV + i;
       y[at] = value;
       emit_forms(value, at, forms, y_bf16, y_q, y_scale);
@@ -102,7 +104,6 @@ __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __re
   __shared__ float qk[2][DK];
   __shared__ float scratch[WARP];
   __shared__ float ba[2][DENSE_MAX_T];  // b and a of this head a row, made here (K > 0)
-  __shared__ bool last;
   const int h = blockIdx.x, hk = h / (Hv / Hk);
   const int j = threadIdx.x / 4, part = threadIdx.x % 4;
   const int col = blockIdx.y * 32 + j;
@@ -177,13 +178,7 @@ __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __re
   if (part == 0) conv_to_ring(mixed, ring, P, T, v_channel, C, in_stride);
 
   // the gated norm, by the head's last block: the others' o are visible once their arrivals are
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&arrivals[h], 1) == (int)gridDim.y - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  if (threadIdx.x == 0) arrivals[h] = 0;
+  if (!last_to_arrive(arrivals + h, gridDim.y)) return;
   gated_norm(out, z, w, eps, sigmoid, y, y_bf16, y_q, y_scale, forms, T, Hv, DV, h, z_stride, scratch);
 }
 
