@@ -241,7 +241,7 @@ def test_trellis_matches_cpu(T, k):
 # --------------------------------------------------------------------- DeltaNet ---
 
 def deltanet_inputs(rng, T: int, dk: int, dv: int, hk: int, hv: int, KW: int = 4) -> SimpleNamespace:
-    """A DeltaNet layer's parameters and `calls` calls' in_proj outputs, random."""
+    """A DeltaNet layer's parameters and two calls' in_proj outputs and normed inputs, random."""
     C = 2 * hk * dk + hv * dv
     return SimpleNamespace(
         C=C, KW=KW, mixed=rng.standard_normal((2, T, C)).astype(np.float32), z=rng.standard_normal((2, T, hv * dv)).astype(np.float32),
