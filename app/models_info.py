@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from duet.engine import KVCache
 from duet.engine.checkpoint.headers import CheckpointHeaders, read_headers
-from duet.engine.heads import RESCORE_CANDIDATES, SHORTLIST_ROWS
+from duet.engine.heads import RESCORE_CANDIDATES, shortlist_rows
 from duet.engine.placement import (
     DEFAULT_ETA, EXPERTS, KV_TYPES, RTX_3090, Assessment, Card, Plan, Settings, GB, GiB, assess, attention_layers,
     describe_format, detect_card,
@@ -140,7 +140,7 @@ def _bill_lines(h: CheckpointHeaders, r: Assessment) -> list[str]:
     ]
     if s.depth:
         lines += [
-            _row(f"MTP drafting: {s.depth} x (MTP layer + {SHORTLIST_ROWS:,}-row shortlist head)", b.drafting),
+            _row(f"MTP drafting: {s.depth} x (MTP layer + {shortlist_rows(c.vocab_size):,}-row shortlist head)", b.drafting),
             _row(f"MTP KV cache, {s.depth} x {c.mtp_num_hidden_layers if b.drafting else 0} layer", b.drafting_kv),
             _row(f"rollback snapshots: {s.depth} more DeltaNet and conv states written", b.snapshots),
             _row("= one cycle", b.total),

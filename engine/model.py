@@ -257,8 +257,10 @@ class Model:
         return self.ops.to_host(self.ops.logits(self, self.head_input(hidden)).argmax(axis=-1))
 
     def draft_greedy_ids(self, hidden) -> np.ndarray:
-        """greedy_ids over the draft head (draft_logits' ranking)."""
-        return self.ops.to_host(self._draft_head(self.draft_head_input(hidden)).argmax(axis=-1))
+        """greedy_ids over the draft head (draft_logits' ranking): a shortlist's argmax over its own rows."""
+        x = self.draft_head_input(hidden)
+        ids = self.lm_head(x).argmax(axis=-1) if self.draft_head is None else self.draft_head.greedy_ids(x)
+        return self.ops.to_host(ids)
 
     def _draft_head(self, head_input):
         return (self.lm_head if self.draft_head is None else self.draft_head)(head_input)

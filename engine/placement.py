@@ -38,7 +38,7 @@ from duet.engine.checkpoint.safetensors import TensorInfo
 from duet.engine.choices import KVCache
 from duet.engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from duet.engine.errors import CheckpointError
-from duet.engine.heads import RESCORE_CANDIDATES, SHORTLIST_ROWS
+from duet.engine.heads import RESCORE_CANDIDATES, shortlist_rows
 
 GB, GiB, MiB = 10**9, 1 << 30, 1 << 20
 
@@ -218,8 +218,8 @@ class Weights:
 
     @property
     def shortlist(self) -> int:
-        """The draft head: SHORTLIST_ROWS rows of the head as a pass reads it (all of it for a smaller vocabulary)."""
-        return self.head_read * min(self.vocab, SHORTLIST_ROWS) // self.vocab
+        """The draft head: shortlist_rows of the head as a pass reads it."""
+        return self.head_read * shortlist_rows(self.vocab) // self.vocab
 
 
 def weights_of(headers: CheckpointHeaders, w4: bool) -> Weights:

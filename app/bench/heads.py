@@ -1,9 +1,9 @@
 """`duet bench heads`: what the output heads of engine/heads.py cost per row, side by side in one run.
 
 On a random fp32 head of a real geometry (Qwen3.5-0.8B: 248,320 x 1,024), one hidden row at a
-time as in decode: the full head, the draft head over the 65,536-row shortlist (what each MTP draft
-ranks), and the host-tables head (int4 ranking of every id, then 64 bf16 rows rescored). Ratios are
-against the full head, measured interleaved, best of `--repeats`.
+time as in decode: the full head, the draft head over the shortlist (65,536 rows there: what each
+MTP draft ranks), and the host-tables head (int4 ranking of every id, then 64 bf16 rows rescored).
+Ratios are against the full head, measured interleaved, best of `--repeats`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from duet.app.bench.common import GEOMETRIES, positive_int
 from duet.engine.backend.cpu import DenseLinear
-from duet.engine.heads import SHORTLIST_ROWS, RescoredHead, ShortlistHead, shortlist_ids
+from duet.engine.heads import RescoredHead, ShortlistHead, shortlist_ids
 
 HEADS = ("full head", "draft shortlist", "host tables (int4 + rescoring)")
 
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
                 head(row[None])
             best[name] = min(best[name], (time.perf_counter() - started) / args.rows)
     result = {
-        "geometry": args.geometry, "vocab": vocab, "hidden": hidden, "shortlist_rows": SHORTLIST_ROWS,
+        "geometry": args.geometry, "vocab": vocab, "hidden": hidden, "shortlist_rows": len(ids),
         "ms_per_row": {name: round(seconds * 1e3, 3) for name, seconds in best.items()},
         "vs_full_head": {name: round(best[HEADS[0]] / seconds, 3) for name, seconds in best.items()},
     }

@@ -99,6 +99,10 @@ class GpuShortlistHead:
         logits[:, self.ids] = scores
         return logits
 
+    def greedy_ids(self, hidden) -> cp.ndarray:
+        """engine.heads.ShortlistHead.greedy_ids, left on the device."""
+        return self.ids[gb.device_f32(self.linear(hidden)).argmax(axis=-1)]
+
 
 class Embedding:
     """The token table on the device: bf16 bits when every value is a bf16 (checkpoints store bf16;

@@ -125,6 +125,29 @@ def test_the_draft_shortlist_is_the_first_rows_plus_the_stop_tokens(mtp_model, s
     assert np.isneginf(draft[:, outside]).all()
 
 
+def test_the_shortlist_keeps_the_seeds_share_of_a_vocabulary():
+    """65,536 of the family's 248,320 ids; the same share of a smaller vocabulary in whole blocks of 64
+    rows; never under 1,024 rows, so a small vocabulary is ranked whole."""
+    assert heads.shortlist_rows(248_320) == heads.shortlist_rows(1_000_000) == 65_536
+    assert heads.shortlist_rows(4_096) == 1_088  # the demo: 4,096 * 65,536 / 248,320 = 1,081
+    assert heads.shortlist_rows(70_000) == 18_496
+    assert heads.shortlist_rows(2_000) == 1_024 and heads.shortlist_rows(320) == 320
+    assert heads.shortlist_ids(320, [0]) is None
+    demo = heads.shortlist_ids(4_096, [0, 2, 4_000])
+    assert demo.tolist() == list(range(1_088)) + [4_000]
+
+
+def test_a_shortlists_greedy_ids_are_the_argmax_of_its_logits():
+    """greedy_ids skips the [T, V] array of __call__ but picks the same ids, the first of equal
+    maxima included (a stop token past the leading block ties with a leading id in row 0)."""
+    ids = np.array([0, 1, 2, 3, 9])
+    scores = np.array([[0.5, 2.0, -1.0, 0.0, 2.0], [1.0, 1.0, 0.0, 3.0, -2.0], [-1.0, -1.0, -1.0, -1.0, 4.0]], np.float32)
+    head = heads.ShortlistHead(lambda hidden: scores[: hidden.shape[0]], ids, 12)
+    hidden = np.zeros((3, 4), np.float32)
+    np.testing.assert_array_equal(head.greedy_ids(hidden), head(hidden).argmax(axis=-1))
+    assert head.greedy_ids(hidden).tolist() == [1, 3, 9]
+
+
 @pytest.mark.parametrize("host_tables", [False, True])
 def test_mtp_drafts_come_from_the_shortlist_and_greedy_output_is_unchanged(mtp_model, shortlist_of_200, host_tables):
     lm = load_model(mtp_model, host_tables=host_tables)
