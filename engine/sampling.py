@@ -144,11 +144,24 @@ def _apply_penalties(logits: np.ndarray, params: SamplingParams, seen: np.ndarra
 
 
 def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
-    """Keep the k largest logits, and any tied with the k-th."""
+    """Keep the k largest logits, and any tied with the k-th.
+
+    A row that is mostly -inf already (a draft shortlist's, or one the device cut to its top k) is
+    ranked over its finite entries alone: numpy's partition slows on so many equal values (30 us
+    against 2 for a demo shortlist row of 1,088 finite ids in 4,096)."""
     vocab = logits.shape[-1]
     if k >= vocab:
         return logits
-    kth_largest = np.partition(logits, vocab - k, axis=-1)[..., vocab - k, None]
+    possible = logits > -np.inf
+    if possible.all():
+        kth_largest = np.partition(logits, vocab - k, axis=-1)[..., vocab - k, None]
+        return np.where(logits < kth_largest, -np.inf, logits)
+    if logits.ndim == 2:
+        return np.stack([_top_k(row, k) for row in logits])
+    values = logits[possible]
+    if len(values) <= k:
+        return logits
+    kth_largest = np.partition(values, len(values) - k)[len(values) - k]
     return np.where(logits < kth_largest, -np.inf, logits)
 
 

@@ -80,6 +80,24 @@ def test_process_logits_matches_transformers_processors() -> None:
         assert_same_processed(process_logits(logits[0], params, previous_ids), reference[0])
 
 
+def test_rows_already_cut_to_a_shortlist_or_their_top_k_match_transformers_processors() -> None:
+    """Rows mostly -inf (a draft shortlist's, the device's top-k cut) go the finite entries' way: the
+    same result as transformers' processors, whole rows of them or one at a time, a row with fewer
+    finite entries than k and a row of ties at the k-th included."""
+    logits = random_logits(7, rows=4)
+    logits[0, 60:] = -np.inf  # a shortlist of the first 60 ids
+    logits[1, 3:] = -np.inf  # fewer than k left
+    logits[2, np.argsort(-logits[2])[5:]] = -np.inf  # cut to its top 5
+    logits[3, 100:] = -np.inf
+    logits[3, [4, 9, 30]] = logits[3, :100].max() + 1  # three tied at the top
+    for top_k in (1, 3, 5, 40):
+        params = SamplingParams(1.3, top_k, top_p=0.9)
+        reference = transformers_processed(logits, params, [])
+        assert_same_processed(process_logits(logits, params, []), reference)
+        for row, expected in zip(logits, reference):
+            assert_same_processed(process_logits(row, params, []), expected)
+
+
 def test_presence_penalty_subtracts_once_per_distinct_previous_token() -> None:
     logits = random_logits(1)[0]
     previous_ids = [5, 5, 5, 9, 60]
