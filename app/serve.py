@@ -11,7 +11,9 @@ messages, as the app does), POST /v1/completions (the prompt as is, as `--raw`);
 server-sent events when asked. Fields a request leaves out take the chat app's settings (the config
 file `duet --paths` names). duet's own request fields sit under `duet` (accept, draft, depth, route),
 and every final response (the last chunk of a stream) carries `duet`: the engine's finish reason,
-the routes and rules that ran and the stats `duet --headless --json` prints.
+the routes and rules that ran and the stats `duet --headless --json` prints. A request that carries
+on the last one's conversation (its prompt begins with the last prompt and reply) prefills only
+what is new (engine.PromptCache; `cached_tokens` in the stats).
 
 A client that leaves mid-stream cancels its reply at the next cycle; Ctrl-C cancels what runs and
 stops the server. `--api-key` (or DUET_API_KEY) asks every request for `Authorization: Bearer KEY`;
@@ -41,7 +43,7 @@ from duet.app.arguments import add_engine_arguments, chat_model_path, engine_cho
 from duet.app.session import EngineChoices, reply_options
 from duet.app.settings import Config, load_config, user_paths
 from duet.engine import (
-    Accept, Draft, DuetError, Finished, GenerateOptions, LoadedModel, Route, Stats, Switches, Tokens,
+    Accept, Draft, DuetError, Finished, GenerateOptions, LoadedModel, PromptCache, Route, Stats, Switches, Tokens,
     generate, load_model,
 )
 from duet.engine.speculative import depth_cap
@@ -110,6 +112,7 @@ class EngineQueue:
         self.current: Job | None = None
         self.stopped = False
         self.history: collections.deque[Job] = collections.deque(maxlen=HISTORY)  # the last jobs ended, in order
+        self.prompt_cache = PromptCache()  # the last reply's states: a conversation's next request prefills only its new turn
         self.thread = threading.Thread(target=self._serve, name="duet-engine", daemon=True)
         self.thread.start()
 
@@ -162,7 +165,8 @@ class EngineQueue:
 
     def _run(self, job: Job) -> None:
         scan = StopScan(job.stop)
-        for event in generate(self.lm, job.prompt_ids, job.options, cancel=job.cancel, switches=job.switches):
+        for event in generate(self.lm, job.prompt_ids, job.options, cancel=job.cancel, switches=job.switches,
+                              cache=self.prompt_cache):
             if isinstance(event, Tokens):
                 job.generated_tokens = event.stats.generated_tokens
                 if job.finish == "stop":  # past a stop string: the cycle in flight ends the reply

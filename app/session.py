@@ -23,8 +23,8 @@ from duet.app.settings import FRESH_SEED
 from duet.app.store import Conversation, Message, Store
 from duet.engine.speculative import MTPDrafter, depth_cap
 from duet.engine import (
-    Accept, Draft, DuetError, Finished, GenerateOptions, KVCache, LoadedModel, LoadProgress, Route, SamplingParams,
-    Stats, Switches, Tokens, generate, load_model,
+    Accept, Draft, DuetError, Finished, GenerateOptions, KVCache, LoadedModel, LoadProgress, PromptCache, Route,
+    SamplingParams, Stats, Switches, Tokens, generate, load_model,
 )
 
 BATCH_SECONDS = 0.05
@@ -50,6 +50,7 @@ class Readout:
     """The figures the readout panel shows, copied out of the engine's running stats."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, rows the last reply left (engine.PromptCache): not prefilled again
     generated_tokens: int = 0
     prefill_tok_s: float = 0.0
     decode_tok_s: float = 0.0
@@ -73,7 +74,8 @@ class Readout:
         """The readout of running stats (Stats.to_dict) or of a saved reply's stats JSON."""
         drafted = stats.get("drafted", 0)
         return cls(
-            prompt_tokens=stats.get("prompt_tokens", 0), generated_tokens=stats.get("generated_tokens", 0),
+            prompt_tokens=stats.get("prompt_tokens", 0), cached_tokens=stats.get("cached_tokens", 0),
+            generated_tokens=stats.get("generated_tokens", 0),
             prefill_tok_s=stats.get("prefill_tok_s", 0.0), decode_tok_s=stats.get("decode_tok_s", 0.0),
             recent_tok_s=stats.get("decode_tok_s", 0.0) if recent_tok_s is None else recent_tok_s,
             first_token_s=stats.get("first_token_s") if first_token_s is None else first_token_s,
@@ -110,6 +112,7 @@ class ChatSession:
     lm: LoadedModel
     context_budget: int
     switches: Switches = field(default_factory=Switches)
+    prompt_cache: PromptCache = field(default_factory=PromptCache)  # the last reply's states, for the next turn
 
     @property
     def route(self) -> str:
@@ -190,7 +193,7 @@ class ChatSession:
         # is saved (and shown) with its opening tag, as a model that opens the block itself writes it.
         opened = THINK_OPEN + "\n" if prompt.rstrip().endswith(THINK_OPEN) else ""
         batcher = _Batcher(started, batch_seconds, opened)
-        for event in generate(self.lm, prompt_ids, options, cancel=cancel, switches=self.switches):
+        for event in generate(self.lm, prompt_ids, options, cancel=cancel, switches=self.switches, cache=self.prompt_cache):
             if isinstance(event, Tokens):
                 chunk = batcher.add(event)
                 if chunk:

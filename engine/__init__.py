@@ -9,7 +9,7 @@
 from duet.engine.choices import Accept, Draft, KVCache, Route
 from duet.engine.errors import CheckpointError, DuetError
 from duet.engine.experts import check_moe_skip
-from duet.engine.generate import Cycle, Finished, GenerateOptions, Stats, Switches, Tokens, generate
+from duet.engine.generate import Cycle, Finished, GenerateOptions, PromptCache, Stats, Switches, Tokens, generate
 from duet.engine.loader import LoadedModel, LoadProgress, load_model
 from duet.engine.sampling import SamplingParams
 
@@ -24,6 +24,7 @@ __all__ = [
     "KVCache",
     "LoadProgress",
     "LoadedModel",
+    "PromptCache",
     "Route",
     "SamplingParams",
     "Stats",

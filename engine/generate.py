@@ -54,8 +54,57 @@ class Switches:
 
 
 @dataclass
+class PromptCache:
+    """What a reply leaves for the next turn of its conversation: the sequence state (KV caches,
+    DeltaNet and conv states) and the drafter's, and the tokens whose rows they hold.
+
+    A chat turn's prompt is the last prompt, the reply and a new message, so when the held tokens
+    begin the next prompt only the rest is prefilled. DeltaNet's state cannot be cut back to an
+    earlier token, so any other prompt (an edited or regenerated turn, a template that rewrites
+    earlier replies) starts afresh, as does another model, route, KV cache kind or drafter: rows
+    are reused only where a fresh prefill would have run the same weights over the same tokens.
+    """
+
+    tokens: list[int] = field(default_factory=list)  # the tokens whose rows `state` holds, in order
+    state: object = None
+    # An MTP drafter's state, its rows up to the last token's (that row pairs the last token's hidden
+    # state with the token after it, which the next prompt may not follow), and that hidden state [1, H].
+    drafter_state: object = None
+    last_hidden: object = None
+    model: object = None  # the Model whose weights made the states ...
+    settings: tuple = ()  # ... under (route, KV cache kind, drafter name)
+
+    def take(self, prompt_ids: list[int], model, settings: tuple):
+        """(state, drafter state, last hidden state, tokens held) when the held rows begin prompt_ids
+        (with a token after them left to prefill), else None. Empties the cache either way, so the
+        caller owns the states (and a state that does not fit is let go before a new one is made:
+        never two on a card)."""
+        state, drafter_state, last_hidden, made_by = self.state, self.drafter_state, self.last_hidden, self.model
+        self.state = self.drafter_state = self.last_hidden = self.model = None
+        n = len(self.tokens)
+        if state is None or model is not made_by or settings != self.settings or len(prompt_ids) <= n \
+                or list(prompt_ids[:n]) != self.tokens:
+            return None
+        return state, drafter_state, last_hidden, n
+
+    def keep(self, state, drafter_state, last_hidden, history: list[int], model, settings: tuple) -> None:
+        """Hold these states for the next turn. history: the prompt and the reply's tokens, of which
+        state holds the rows of all, or all but the last (the reply's last token is the row a next
+        cycle would have run); drafter_state: the drafter's (None: it keeps none), whose rows follow
+        the state's; last_hidden: the hidden state of the state's last row."""
+        rows = state.length
+        if rows > len(history) or (drafter_state is not None and drafter_state.length < rows - 1):
+            return
+        if drafter_state is not None:
+            drafter_state.rewind(rows - 1)
+        self.tokens, self.state, self.drafter_state, self.last_hidden = history[:rows], state, drafter_state, last_hidden
+        self.model, self.settings = model, settings
+
+
+@dataclass
 class Stats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, rows a PromptCache held from the turn before (not prefilled)
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0  # wall time after the first token
@@ -75,7 +124,8 @@ class Stats:
 
     @property
     def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        """Prompt tokens prefilled (not those a PromptCache held) over the time they took."""
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -151,7 +201,8 @@ class Stats:
             "mean_depth": round(self.drafted / self.cycles, 3) if self.cycles else 0.0,
             "routes": list(self.routes),
             "rules": list(self.rules),
-        } | ({"expert_hit_rate": round(self.expert_hit_rate, 4), "host_bytes_per_token": round(self.host_bytes_per_token),
+        } | ({"cached_tokens": self.cached_tokens} if self.cached_tokens else {}) \
+          | ({"expert_hit_rate": round(self.expert_hit_rate, 4), "host_bytes_per_token": round(self.host_bytes_per_token),
               "n_skipped": self.n_skipped} if self.routed_experts else {})
 
     def ran(self, route: str, rule: str | None = None) -> None:
@@ -189,11 +240,13 @@ class Finished:
 
 def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
              cancel: threading.Event | None = None, switches: Switches | None = None,
-             drafter=None) -> Iterator[Tokens | Finished]:
+             drafter=None, cache: PromptCache | None = None) -> Iterator[Tokens | Finished]:
     """Generate a reply to `prompt_ids`; stop on any eos id, max_tokens, the context budget or cancel.
 
     `drafter` overrides options.draft with any object that has the interface of
-    engine.speculative.NoDrafter (name, depth_cap, start, propose, commit).
+    engine.speculative.NoDrafter (name, depth_cap, state, start, propose, commit). `cache`: the
+    conversation's PromptCache: the rows it holds of this prompt are not run again, and it holds
+    this reply's states when the reply ends.
     """
     budget = options.context or lm.config.max_position_embeddings
     if not prompt_ids:
@@ -207,7 +260,6 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
     switches = switches or Switches(options.accept)
     decoder = lm.tokenizer.stream_decoder()
     stats = Stats(prompt_tokens=len(prompt_ids))
-    state = model.new_state(options.kv)
     history = list(prompt_ids)  # prompt + committed tokens, for n-gram lookup
     generated: list[int] = []
 
@@ -244,17 +296,32 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
     started = time.perf_counter()
     stats.ran(apply_route())
     skip_under(check_rule(switches.accept))
-    hidden = model.forward(state, prompt_ids, last_only=not drafter.reads_prompt_hidden)
+    settings = (lm.route, options.kv, drafter.name)
+    held = cache.take(prompt_ids, model, settings) if cache is not None else None
+    if held is None:
+        state = model.new_state(options.kv)
+    else:
+        state, drafter.state, held_hidden, stats.cached_tokens = held
+    hidden = model.forward(state, prompt_ids[stats.cached_tokens :], last_only=not drafter.reads_prompt_hidden)
+    last_hidden = hidden[-1:]  # of the state's last row, which a next turn's drafter starts from
     on_device = argmax_only(options.sampling)  # greedy without penalties: only argmax ids leave the device
     top_k, temperature = candidates_top_k(options.sampling), options.sampling.temperature  # else what top-k keeps
     first = int(model.greedy_ids(hidden[-1:])[0]) if on_device else \
         sampler.pick(model.logits(hidden[-1:], top_k, temperature)[0], generated)
     stats.prefill_seconds = time.perf_counter() - started
+
+    def finished(reason: str) -> Finished:
+        if cache is not None and len(stats.routes) == 1:  # states of one route only
+            cache.keep(state, drafter.state, last_hidden, history, model, settings)
+        return Finished(reason, stats, drafter.name)
+
     event, reason = emit([first], None)
     yield event
     if reason:
-        yield Finished(reason, stats, drafter.name)
+        yield finished(reason)
         return
+    if held is not None and drafter.state is not None:  # its next row: the held rows' last hidden state
+        hidden = model.ops.concat([held_hidden, hidden], axis=0)
     drafter.start(prompt_ids, hidden, first)
     if routing is not None:
         routing.reset_counts()  # the figures are the decode's: the prompt is read once
@@ -264,7 +331,7 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
         stats.ran(route, rule)
         skip_under(rule)
         room = min(options.max_tokens - len(generated), budget - state.length - 1) - 1
-        draft = drafter.propose(history, max(0, min(depth.current, room)), sampler)
+        draft = drafter.propose(history, max(0, min(depth.current, room)), sampler).through_stop(lm.tokenizer.eos_ids)
         rows = [generated[-1]] + draft.tokens
         hidden = model.forward(state, rows)  # one pass: every layer sees all k + 1 rows
         if on_device:
@@ -273,6 +340,7 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
             target = process_rows(model.logits(hidden, top_k, temperature), options.sampling, generated, draft.tokens)
             verdict = accept(rule, target, draft, sampler)
         state.keep(verdict.accepted + 1)  # roll back past the last kept row
+        last_hidden = hidden[verdict.accepted : verdict.accepted + 1]
         committed = draft.tokens[: verdict.accepted] + [verdict.next_token]
         drafter.commit(committed, hidden[: verdict.accepted + 1])
         depth.update(len(draft.tokens), verdict.accepted)
@@ -283,7 +351,7 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
         stats.decode_seconds = time.perf_counter() - decode_started
         yield event
         if reason:
-            yield Finished(reason, stats, drafter.name)
+            yield finished(reason)
             return
 
 

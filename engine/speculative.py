@@ -25,6 +25,14 @@ class Draft:
     tokens: list[int]
     q: list[np.ndarray | None]  # per draft: the distribution it was drawn from, or None if one-hot
 
+    def through_stop(self, stops) -> Draft:
+        """The drafts up to the first stop token, inclusive: a reply ends there, so a row after it
+        could never be committed."""
+        for i, token in enumerate(self.tokens):
+            if token in stops:
+                return Draft(self.tokens[: i + 1], self.q[: i + 1])
+        return self
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -93,6 +101,7 @@ class NoDrafter:
     name = "none"
     depth_cap = 0  # most drafts a cycle may ask for
     reads_prompt_hidden = False  # start() needs the hidden state of every prompt row, not the last one only
+    state = None  # what it carries to the next turn of a conversation (engine.generate.PromptCache): nothing
 
     def start(self, prompt: list[int], hidden: np.ndarray, first: int) -> None:
         pass
@@ -138,7 +147,9 @@ class MTPDrafter:
         self.hidden: np.ndarray | None = None  # MTP output of the last committed row [1, H]
 
     def start(self, prompt: list[int], hidden: np.ndarray, first: int) -> None:
-        self.commit(list(prompt[1:]) + [first], hidden)
+        """hidden: the prompt's last rows, those prefilled (a PromptCache held the rows before them,
+        and self.state those rows' MTP rows)."""
+        self.commit(list(prompt[len(prompt) - hidden.shape[0] + 1 :]) + [first], hidden)
 
     def commit(self, committed: list[int], hidden: np.ndarray) -> None:
         """Rows for the newly committed tokens: committed[j] is x_{t+1} for main hidden[j] = h_t."""

@@ -131,6 +131,16 @@ def test_duet_fields_choose_route_rule_and_drafts_for_one_request_only(demo):
     assert (plain["stats"]["routes"], plain["stats"]["rules"], plain["drafter"]) == (["w4a16"], ["exact"], "mtp")
 
 
+def test_a_request_that_carries_on_the_last_conversation_prefills_only_its_new_turn(demo):
+    messages = [{"role": "user", "content": "Tell me of the land of Egypt"}]
+    first = demo.client.chat.completions.create(model="demo_int4", messages=messages, max_tokens=16, temperature=0)
+    assert "cached_tokens" not in first.model_extra["duet"]["stats"]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "And then?"}]
+    second = demo.client.chat.completions.create(model="demo_int4", messages=messages, max_tokens=16, temperature=0)
+    held = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # all but the reply's last token have rows
+    assert second.model_extra["duet"]["stats"]["cached_tokens"] >= held
+
+
 def test_stop_strings_end_the_text_before_the_first_one(demo, capsys):
     expected = headless(capsys, "And God said", "--raw", "--model", str(DEMO_INT4), "--max-tokens", "40")["text"]
     stop = expected[len(expected) // 3: len(expected) // 3 + 4]  # some text a few tokens in, across token edges

@@ -11,11 +11,12 @@ from conftest import build_reference, save_reference
 
 from duet.app.cli import main_parser
 from duet.app.session import (
-    LOAD_PROGRESS_STEP, ChatSession, ContextFull, EngineChoices, EngineHost, Launch, ReplyChunk, ReplyDone,
+    LOAD_PROGRESS_STEP, ChatSession, ContextFull, EngineChoices, EngineHost, Launch, Readout, ReplyChunk, ReplyDone,
     reply_options, split_thinking,
 )
-from duet.app.settings import Config
+from duet.app.settings import Config, bundled_demo_model
 from duet.app.store import Store
+from duet.app.ui.widgets.readouts import readout_rows
 from duet.engine import Accept, Draft, DuetError, GenerateOptions, KVCache, LoadProgress, Route, load_model
 
 
@@ -103,6 +104,24 @@ def test_first_message_titles_the_conversation(store, tiny_lm):
 def test_system_prompt_is_part_of_the_prompt(store, tiny_lm):
     plain, with_system = new_session(store, tiny_lm), new_session(store, tiny_lm, system_prompt="be a fox")
     assert len(with_system.prompt_ids([], "hi")) > len(plain.prompt_ids([], "hi"))
+
+
+def test_a_second_turn_reuses_the_first_replys_rows_and_the_readout_says_so(store):
+    """The demo model's chat template renders a saved reply as its tokens were generated, so the
+    next turn's prompt begins with every row the reply left; a regenerated turn starts afresh."""
+    session = new_session(store, load_model(bundled_demo_model()))
+    options = GenerateOptions(max_tokens=24, draft="mtp")
+    session.add_user_message("Tell me about the land of Egypt.")
+    first = reply(session, options)[-1]
+    assert first.readout.cached_tokens == 0 and "cached_tokens" not in first.message.stats
+    session.add_user_message("And then?")
+    second = reply(session, options)[-1]
+    reused = second.message.stats["cached_tokens"]
+    assert reused == second.readout.cached_tokens >= first.readout.prompt_tokens + first.readout.generated_tokens - 1
+    assert ("reused", f"{reused:,} tokens") in readout_rows(second.readout)
+    assert ("reused", f"{reused:,} tokens") not in readout_rows(Readout.of_saved(first.message.stats))
+    session.reopen_last_turn()
+    assert reply(session, options)[-1].readout.cached_tokens == 0  # the state had moved past this prompt
 
 
 def test_regenerate_replaces_only_the_reply(store, tiny_lm):

@@ -17,7 +17,7 @@ from conftest import build_reference, save_reference
 from simulated_device import C_TYPES, SOURCES, TWINS, CaptureError, installed
 from test_gpu_model import LOGIT_RTOL, MODELS, PROMPT_TEXT, decode_logits, greedy_tokens, load
 
-from duet.engine import heads
+from duet.engine import GenerateOptions, PromptCache, SamplingParams, Tokens, generate, heads
 from duet.engine.backend import cupy_backend as gb
 from duet.engine.backend import cupy_model, select
 from duet.engine.kernels import build
@@ -150,6 +150,23 @@ def test_a_capture_the_driver_refuses_leaves_the_reply_uncaptured_and_unchanged(
     got, _ = greedy_tokens(lm, prompt, "bf16", "mtp")
     assert got == want
     assert "rms_norm (refused by the simulated driver) inside a stream capture" in lm.model.ops.graph_error
+
+
+@pytest.mark.usefixtures("cp")
+def test_a_turn_continues_the_device_states_the_last_reply_left(prompt, monkeypatch):
+    """engine.PromptCache on the GPU op set: the held device state (its captured graphs, conv rings,
+    the MTP head's cache) continues into the next turn as the CPU engine's does."""
+    def two_turns(backend: str):
+        lm = load(MODELS / "demo_int4", "w4a16", backend, monkeypatch)
+        cache = PromptCache()
+        options = GenerateOptions(max_tokens=24, sampling=SamplingParams(temperature=0), draft="mtp")
+        first = [t for e in generate(lm, prompt, options, cache=cache) if isinstance(e, Tokens) for t in e.token_ids]
+        events = list(generate(lm, cache.tokens + prompt, options, cache=cache))
+        second = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+        return first, second, events[-1].stats.cached_tokens
+
+    got = two_turns("cupy")
+    assert got == two_turns("cpu") and got[2] >= len(prompt) + len(got[0]) - 1
 
 
 @pytest.mark.usefixtures("cp")

@@ -19,6 +19,7 @@ def readout_rows(readout: Readout) -> list[tuple[str, str]]:
     return [
         ("decode", f"{readout.decode_tok_s:.1f} tok/s" if readout.decode_tok_s else NOTHING),
         ("prefill", f"{readout.prefill_tok_s:.0f} tok/s" if readout.prefill_tok_s else NOTHING),
+    ] + ([("reused", f"{readout.cached_tokens:,} tokens")] if readout.cached_tokens else []) + [  # the prompt cache's rows
         ("first token", f"{readout.first_token_s:.2f} s" if readout.first_token_s is not None else NOTHING),
         ("tokens/cycle", f"{readout.tokens_per_cycle:.2f}" if readout.tokens_per_cycle else NOTHING),
         ("acceptance", f"{readout.acceptance_rate:.0%}" if readout.acceptance_rate is not None else NOTHING),
