@@ -306,8 +306,11 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
     last_hidden = hidden[-1:]  # of the state's last row, which a next turn's drafter starts from
     on_device = argmax_only(options.sampling)  # greedy without penalties: only argmax ids leave the device
     top_k, temperature = candidates_top_k(options.sampling), options.sampling.temperature  # else what top-k keeps
-    first = int(model.greedy_ids(hidden[-1:])[0]) if on_device else \
-        sampler.pick(model.logits(hidden[-1:], top_k, temperature)[0], generated)
+    if on_device:
+        first = int(model.greedy_ids(hidden[-1:])[0])
+    else:
+        values, columns = model.candidates(hidden[-1:], top_k, temperature)
+        first = sampler.pick(values[0], generated, columns)
     stats.prefill_seconds = time.perf_counter() - started
 
     def finished(reason: str) -> Finished:
@@ -337,8 +340,9 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
         if on_device:
             verdict = accept_greedy(model.greedy_ids(hidden), draft.tokens)
         else:
-            target = process_rows(model.logits(hidden, top_k, temperature), options.sampling, generated, draft.tokens)
-            verdict = accept(rule, target, draft, sampler)
+            values, columns = model.candidates(hidden, top_k, temperature)
+            target = process_rows(values, options.sampling, generated, draft.tokens, columns)
+            verdict = accept(rule, target, draft, sampler, columns)
         state.keep(verdict.accepted + 1)  # roll back past the last kept row
         last_hidden = hidden[verdict.accepted : verdict.accepted + 1]
         committed = draft.tokens[: verdict.accepted] + [verdict.next_token]

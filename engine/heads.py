@@ -57,15 +57,19 @@ class ShortlistHead:
     def __init__(self, linear, ids: np.ndarray, vocab: int):
         self.linear, self.ids, self.vocab = linear, ids, vocab
 
+    def scores(self, hidden: np.ndarray) -> np.ndarray:
+        """The shortlisted ids' logits [T, S], in the order of ids."""
+        return self.linear(hidden)
+
     def __call__(self, hidden: np.ndarray) -> np.ndarray:
         logits = np.full((hidden.shape[0], self.vocab), -np.inf, np.float32)
-        logits[:, self.ids] = self.linear(hidden)
+        logits[:, self.ids] = self.scores(hidden)
         return logits
 
     def greedy_ids(self, hidden: np.ndarray) -> np.ndarray:
         """Each row's argmax id over the shortlist, as argmax of __call__ (ids ascend, so the first of
         equal maxima is the same id) without the [T, V] array."""
-        return self.ids[self.linear(hidden).argmax(axis=-1)]
+        return self.ids[self.scores(hidden).argmax(axis=-1)]
 
 
 class RescoredHead:

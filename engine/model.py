@@ -239,16 +239,29 @@ class Model:
         """What the draft head reads of the hidden states mtp_forward returns."""
         return hidden
 
-    def logits(self, hidden, top_k: int = 0, temperature: float = 1.0) -> np.ndarray:
-        """[T, V] fp32 on the host. top_k > 0 (sampling at `temperature`, no penalties: sampling's
-        candidates_top_k): the values at the ids top-k keeps, -inf elsewhere, as top-k leaves them;
-        a GPU sends only those (ops.top_k_to_host)."""
-        return self.ops.top_k_to_host(self.ops.logits(self, self.head_input(hidden)), top_k, temperature)
+    def logits(self, hidden) -> np.ndarray:
+        """[T, V] fp32 on the host."""
+        return self.ops.to_host(self.ops.logits(self, self.head_input(hidden)))
 
-    def draft_logits(self, hidden, top_k: int = 0, temperature: float = 1.0) -> np.ndarray:
-        """Logits a drafter ranks: the shortlisted ids only (-inf elsewhere) when there is a shortlist;
-        top_k, temperature: as in logits."""
-        return self.ops.top_k_to_host(self._draft_head(self.draft_head_input(hidden)), top_k, temperature)
+    def candidates(self, hidden, top_k: int = 0, temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray | None]:
+        """The logits a sampler reads, on the host: (values [T, C], their ids [C]) of the ids top-k
+        keeps at `temperature` in some row (top_k > 0: sampling's candidates_top_k; a GPU sends only
+        those), or (logits [T, V], None)."""
+        return self.ops.top_k_candidates(self.ops.logits(self, self.head_input(hidden)), top_k, temperature)
+
+    def draft_logits(self, hidden) -> np.ndarray:
+        """Logits a drafter ranks [T, V] on the host: the shortlisted ids only (-inf elsewhere) when
+        there is a shortlist."""
+        return self.ops.to_host(self._draft_head(self.draft_head_input(hidden)))
+
+    def draft_candidates(self, hidden, top_k: int = 0, temperature: float = 1.0) -> tuple[np.ndarray, np.ndarray | None]:
+        """candidates over the draft head: a shortlist's rows rank only its own ids."""
+        x = self.draft_head_input(hidden)
+        if self.draft_head is None:
+            return self.ops.top_k_candidates(self.lm_head(x), top_k, temperature)
+        shortlist = self.draft_head
+        values, columns = self.ops.top_k_candidates(shortlist.scores(x), top_k, temperature)
+        return values, shortlist.ids if columns is None else shortlist.ids[columns]
 
     def greedy_ids(self, hidden) -> np.ndarray:
         """Each row's argmax id [T] (the first of equal maxima, as np.argmax), the logits left where

@@ -7,7 +7,8 @@ for every row; an acceptance rule decides how many drafts to keep and which toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,13 +25,14 @@ DRAFTERS = tuple(Draft)  # the words of engine/choices.py
 class Draft:
     tokens: list[int]
     q: list[np.ndarray | None]  # per draft: the distribution it was drawn from, or None if one-hot
+    q_ids: list[np.ndarray | None] = field(default_factory=list)  # per draft: the ids q covers (none given: all)
 
     def through_stop(self, stops) -> Draft:
         """The drafts up to the first stop token, inclusive: a reply ends there, so a row after it
         could never be committed."""
         for i, token in enumerate(self.tokens):
             if token in stops:
-                return Draft(self.tokens[: i + 1], self.q[: i + 1])
+                return Draft(self.tokens[: i + 1], self.q[: i + 1], self.q_ids[: i + 1])
         return self
 
 
@@ -45,8 +47,9 @@ class Verdict:
 # Acceptance
 
 
-def accept(rule: str, target: np.ndarray, draft: Draft, sampler: Sampler) -> Verdict:
-    """Decide on a verify pass. target [k + 1, V]: processed logits of each verify row.
+def accept(rule: str, target: np.ndarray, draft: Draft, sampler: Sampler, columns: np.ndarray | None = None) -> Verdict:
+    """Decide on a verify pass. target [k + 1, V]: processed logits of each verify row; columns: the
+    ids of target's columns when it covers a few (None: all of them, in order).
 
     Greedy (temperature 0): keep drafts while each equals the argmax of the row before it. The
     lossy rule cannot keep more there, since the greedy target puts all its mass on the argmax.
@@ -56,7 +59,12 @@ def accept(rule: str, target: np.ndarray, draft: Draft, sampler: Sampler) -> Ver
     p(x) >= p(r); each such keep is counted in `lossy`.
     """
     if sampler.params.greedy:
-        return accept_greedy(np.argmax(target, axis=-1), draft.tokens)
+        best = np.argmax(target, axis=-1)
+        return accept_greedy(best if columns is None else columns[best], draft.tokens)
+    if columns is not None or any(ids is not None for ids in draft.q_ids):
+        union, target, draft = _on_shared_columns(target, columns, draft)
+        verdict = accept(rule, target, draft, sampler)
+        return Verdict(verdict.accepted, int(union[verdict.next_token]), verdict.lossy)
     lossy = 0
     for i, (x, q) in enumerate(zip(draft.tokens, draft.q)):
         p = probabilities(target[i])
@@ -70,6 +78,27 @@ def accept(rule: str, target: np.ndarray, draft: Draft, sampler: Sampler) -> Ver
         return Verdict(i, r, lossy)
     bonus = sampler.draw(probabilities(target[len(draft.tokens)]))
     return Verdict(len(draft.tokens), bonus, lossy)
+
+
+def _on_shared_columns(target: np.ndarray, columns: np.ndarray | None, draft: Draft):
+    """target, the drafts and their q re-indexed onto the union of the ids they cover: (that union
+    ascending, target over it [k + 1, U] with -inf elsewhere, the draft with q over it and tokens as
+    its indices). Every id keeps its value and the ids their order, so the rule's sums and draws are
+    the whole vocabulary's less its zeros: ~k (d + 1) entries, not 248,320."""
+    vocab_wide = np.arange(target.shape[-1])
+    covered = [vocab_wide if columns is None else columns, np.asarray(draft.tokens, dtype=np.int64)]
+    covered += [ids for ids in draft.q_ids if ids is not None]
+    union = np.unique(np.concatenate(covered))
+    on_union = np.full((target.shape[0], len(union)), -np.inf, np.float32)
+    on_union[:, np.searchsorted(union, vocab_wide if columns is None else columns)] = target
+    qs = []
+    for q, ids in itertools.zip_longest(draft.q, draft.q_ids):
+        if q is not None:
+            spread = np.zeros(len(union), q.dtype)
+            spread[np.searchsorted(union, np.arange(len(q)) if ids is None else ids)] = q
+            q = spread
+        qs.append(q)
+    return union, on_union, Draft([int(i) for i in np.searchsorted(union, draft.tokens)], qs)
 
 
 def residual(p: np.ndarray, q: np.ndarray | None, drafted: int) -> np.ndarray:
@@ -157,19 +186,20 @@ class MTPDrafter:
 
     def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
         committed_length = self.state.length
-        tokens, qs, hidden = [], [], self.hidden
+        draft, hidden = Draft([], []), self.hidden
         for i in range(k):
             if i:
-                hidden = self.model.mtp_forward(self.state, [tokens[-1]], hidden)
+                hidden = self.model.mtp_forward(self.state, [draft.tokens[-1]], hidden)
             if argmax_only(sampler.params):
-                token, q = int(self.model.draft_greedy_ids(hidden)[0]), None
+                token, q, ids = int(self.model.draft_greedy_ids(hidden)[0]), None, None
             else:
-                logits = self.model.draft_logits(hidden, candidates_top_k(sampler.params), sampler.params.temperature)
-                token, q = _draw_draft(logits[0], sampler, history + tokens)
-            tokens.append(token)
-            qs.append(q)
+                values, ids = self.model.draft_candidates(hidden, candidates_top_k(sampler.params), sampler.params.temperature)
+                token, q = _draw_draft(values[0], ids, sampler, history + draft.tokens)
+            draft.tokens.append(token)
+            draft.q.append(q)
+            draft.q_ids.append(ids)
         self.state.rewind(committed_length)
-        return Draft(tokens, qs)
+        return draft
 
 
 def argmax_only(params) -> bool:
@@ -178,12 +208,13 @@ def argmax_only(params) -> bool:
     return params.greedy and not params.penalizes
 
 
-def _draw_draft(logits: np.ndarray, sampler: Sampler, previous: list[int]) -> tuple[int, np.ndarray | None]:
-    processed = process_logits(logits, sampler.params, previous)
-    if sampler.params.greedy:
-        return int(np.argmax(processed)), None
-    q = probabilities(processed)
-    return sampler.draw(q), q
+def _draw_draft(logits: np.ndarray, columns: np.ndarray | None, sampler: Sampler,
+                previous: list[int]) -> tuple[int, np.ndarray | None]:
+    """(the draft, q over the columns) from one row of logits over `columns` (None: every id)."""
+    processed = process_logits(logits, sampler.params, previous, columns)
+    q = None if sampler.params.greedy else probabilities(processed)
+    column = int(np.argmax(processed)) if q is None else sampler.draw(q)
+    return (column if columns is None else int(columns[column])), q
 
 
 def drafter_kind(kind: str, model: Model) -> str:

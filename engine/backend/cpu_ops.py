@@ -20,6 +20,7 @@ from duet.engine.backend import MAX_ROWS, compiled, cpu
 from duet.engine.backend.threads import in_parallel, one_blas_thread
 from duet.engine.cache import DeltaNetState, KVCache, Q4KVCache, SequenceState
 from duet.engine.heads import ShortlistHead
+from duet.engine.sampling import candidate_rows
 from duet.engine.weights import take_rows
 
 # DeltaNet prefill chunk length. transformers' torch_chunk_gated_delta_rule uses 64; with numpy on
@@ -350,9 +351,19 @@ class CpuOps:
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return x
 
-    def top_k_to_host(self, logits: np.ndarray, top_k: int, temperature: float) -> np.ndarray:
-        """Model.logits' rows on the host: here they are already, whole (the processors apply top-k)."""
-        return logits
+    def top_k_candidates(self, logits: np.ndarray, top_k: int, temperature: float) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows of logits [T, V] on the host as the sampler reads them. With top_k on (0 < top_k < V):
+        only the columns top-k keeps in some row, those of logits / temperature at or above the row's
+        k-th largest (the same fp32 division and k-th value as the sampler's top-k, so the processors
+        give the same values from them as from whole rows), as (values [T, C], -inf where a row does
+        not keep a column; the columns [C], ascending). Else (the whole rows, None)."""
+        T, V = logits.shape
+        if not 0 < top_k < V:
+            return logits, None
+        scaled = logits / np.float32(temperature)
+        kth = np.partition(scaled, V - top_k, axis=-1)[:, V - top_k : V - top_k + 1]  # [T, 1]
+        rows, columns = np.divmod(np.flatnonzero(scaled >= kth), V)  # np.nonzero of [T, V]: 26 us, this 5 (4 x 4,096)
+        return candidate_rows(T, rows, columns, logits[rows, columns])
 
     def to_device(self, x: np.ndarray) -> np.ndarray:
         return x

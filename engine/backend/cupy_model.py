@@ -17,7 +17,7 @@ runs every layer once over all rows. A longer call (prefill) runs the Linears ov
 the DeltaNet and attention cores MAX_ROWS rows at a time, each slice exactly as a verify of its
 rows would run. A position is a `Rows`. Hidden states stay on the device, and so do the logits
 where the sampler needs less than whole rows: argmax ids for greedy decoding (Model.greedy_ids),
-the ids top-k keeps for top-k sampling (top_k_to_host); other settings get whole rows on the host.
+the ids top-k keeps for top-k sampling (top_k_candidates); other settings get whole rows on the host.
 Routed experts the card does not hold (engine/experts.py's placement) run on the host as the CPU's
 Linears (host_expert).
 
@@ -56,6 +56,7 @@ from duet.engine.backend.cupy_backend import ATTENTION_CHUNK, MAX_ROWS
 from duet.engine.cache import PLEState
 from duet.engine.config import ModelConfig
 from duet.engine.model import MoE
+from duet.engine.sampling import candidate_rows
 from duet.engine.weights import take_rows
 
 KV_CAPACITY = 256  # rows an attention cache starts with (it doubles as a sequence grows), as engine.cache
@@ -91,17 +92,21 @@ class GpuShortlistHead:
     """engine.heads.ShortlistHead: the shortlisted ids' logits, -inf elsewhere."""
 
     def __init__(self, linear, ids: np.ndarray, vocab: int):
-        self.linear, self.ids, self.vocab = linear, cp.asarray(ids), vocab
+        self.linear, self.ids, self.vocab = linear, ids, vocab
+        self.device_ids = cp.asarray(ids)
+
+    def scores(self, hidden) -> cp.ndarray:
+        return gb.device_f32(self.linear(hidden))
 
     def __call__(self, hidden) -> cp.ndarray:
-        scores = gb.device_f32(self.linear(hidden))
+        scores = self.scores(hidden)
         logits = cp.full((scores.shape[0], self.vocab), -np.inf, cp.float32)
-        logits[:, self.ids] = scores
+        logits[:, self.device_ids] = scores
         return logits
 
     def greedy_ids(self, hidden) -> cp.ndarray:
         """engine.heads.ShortlistHead.greedy_ids, left on the device."""
-        return self.ids[gb.device_f32(self.linear(hidden)).argmax(axis=-1)]
+        return self.device_ids[self.scores(hidden).argmax(axis=-1)]
 
 
 class Embedding:
@@ -316,21 +321,16 @@ class GpuOps:
     def to_host(self, x) -> np.ndarray:
         return cp.asnumpy(x)
 
-    def top_k_to_host(self, logits: cp.ndarray, top_k: int, temperature: float) -> np.ndarray:
-        """Model.logits' rows on the host. With top_k on (0 < top_k < V), only the ids top-k keeps
-        cross: those of logits / temperature at or above its k-th largest, found here with the same
-        fp32 division and the same k-th value as the sampler's top-k, so the host's processors give
-        the same row from them as from the whole one; -inf elsewhere, as top-k sets it. A few hundred
-        bytes a row instead of V * 4 (1 MB at V = 248,320)."""
+    def top_k_candidates(self, logits: cp.ndarray, top_k: int, temperature: float) -> tuple[np.ndarray, np.ndarray | None]:
+        """CpuOps.top_k_candidates, the kept entries found on the card: a few hundred bytes a row
+        cross instead of V * 4 (1 MB at V = 248,320)."""
         T, V = logits.shape
         if not 0 < top_k < V:
-            return cp.asnumpy(logits)
+            return cp.asnumpy(logits), None
         scaled = logits / np.float32(temperature)
         kth = cp.partition(scaled, V - top_k, axis=-1)[:, V - top_k : V - top_k + 1]  # [T, 1]
-        rows, ids = cp.nonzero(scaled >= kth)
-        out = np.full((T, V), -np.inf, np.float32)
-        out[cp.asnumpy(rows), cp.asnumpy(ids)] = cp.asnumpy(logits[rows, ids])
-        return out
+        rows, columns = cp.nonzero(scaled >= kth)
+        return candidate_rows(T, cp.asnumpy(rows), cp.asnumpy(columns), cp.asnumpy(logits[rows, columns]))
 
     def to_device(self, x: np.ndarray) -> cp.ndarray:
         return cp.asarray(x)

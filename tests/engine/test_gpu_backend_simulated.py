@@ -262,7 +262,7 @@ def test_take_weights_refuses_another_checkpoint(monkeypatch):
 @pytest.mark.usefixtures("cp")
 def test_greedy_and_top_k_replies_leave_the_logits_on_the_device(prompt, monkeypatch):
     """Greedy decoding without penalties reads only each row's argmax id (Model.greedy_ids); top-k
-    sampling without penalties only the ids top-k keeps (GpuOps.top_k_to_host). Neither copies a
+    sampling without penalties only the ids top-k keeps (GpuOps.top_k_candidates). Neither copies a
     [T, V] row to the host, in the verify passes or in the MTP drafts, and each reply is the CPU's
     (the same seed: the processors see the same rows). Top-k off, whole rows cross."""
     from simulated_device import DeviceArray
@@ -288,13 +288,15 @@ def test_greedy_and_top_k_replies_leave_the_logits_on_the_device(prompt, monkeyp
     assert any(shape[-1] == vocab for shape in copies)
 
 
-@pytest.mark.usefixtures("cp")
-def test_the_top_k_candidates_give_the_processors_the_whole_rows_result(monkeypatch):
-    """What crosses for top-k sampling, processed, equals the whole row processed: every id top-k keeps,
+@pytest.mark.parametrize("device", [True, False])
+def test_the_top_k_candidates_give_the_processors_the_whole_rows_result(monkeypatch, device):
+    """What crosses for top-k sampling (the card's op set, or the CPU's), processed, equals the whole
+    row processed at those ids, and the whole row has -inf at every other: every id top-k keeps,
     ties with the k-th included, and those the temperature's fp32 division turns into ties (adjacent
     floats that round to one quotient), at several temperatures, top-p and min-p after."""
     from simulated_device import installed
 
+    from duet.engine.backend.cpu_ops import CpuOps
     from duet.engine.backend.cupy_model import GpuOps
     from duet.engine.sampling import SamplingParams, process_logits
 
@@ -302,12 +304,15 @@ def test_the_top_k_candidates_give_the_processors_the_whole_rows_result(monkeypa
     base = rng.integers(-40, 40, (6, 300)).astype(np.float32) / 8  # many exact ties
     base[:, ::7] = np.nextafter(base[:, ::7], np.float32(np.inf))  # and neighbours one ulp apart
     with installed(monkeypatch) as cupy:
-        ops = GpuOps.__new__(GpuOps)
+        ops, rows = (GpuOps.__new__(GpuOps), cupy.asarray(base)) if device else (CpuOps(), base)
         for temperature in (0.3, 0.7, 1.0, 3.0):
             for k in (1, 5, 20, 299):
                 params = SamplingParams(temperature=temperature, top_k=k, top_p=0.9, min_p=0.01)
-                sent = ops.top_k_to_host(cupy.asarray(base), k, temperature)
-                assert np.isinf(sent).sum() >= base.size - 6 * (k + 40) or k == 299
+                sent, ids = ops.top_k_candidates(rows, k, temperature)
+                assert sent.shape == (6, len(ids)) and np.all(np.diff(ids) > 0)
+                assert np.isfinite(sent).sum() <= 6 * (k + 40)
                 for row in range(len(base)):
-                    np.testing.assert_array_equal(process_logits(sent[row], params, []), process_logits(base[row], params, []))
+                    whole = process_logits(base[row], params, [])
+                    np.testing.assert_array_equal(process_logits(sent[row], params, [], ids), whole[ids])
+                    assert np.isneginf(np.delete(whole, ids)).all()
 

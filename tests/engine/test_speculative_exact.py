@@ -512,6 +512,38 @@ def test_greedy_keeps_drafts_while_they_are_each_rows_argmax(rule, drafts, accep
     assert (verdict.accepted, verdict.next_token, verdict.lossy) == (accepted, argmax[accepted], 0)
 
 
+@pytest.mark.parametrize("rule", [EXACT, LOSSY])
+def test_a_cycle_over_the_top_k_candidates_decides_as_over_whole_rows(rule):
+    """Verify rows and drafts' q over the few ids top-k keeps (the op sets' top_k_candidates, as
+    generate and the MTP drafter read them) give the verdict whole rows give, for the same draws:
+    kept, rejected with a residual draw, and drafts outside the target's candidates (p = 0), with
+    sampled (q) and deterministic (one-hot) drafts."""
+    from duet.engine.backend.cpu_ops import CpuOps
+    from duet.engine.sampling import probabilities, process_logits, process_rows
+
+    vocab, rng, ops = 60, np.random.default_rng(11), CpuOps()
+    for case in range(300):
+        params = SamplingParams(temperature=0.8, top_k=int(rng.integers(1, 8)), top_p=0.9, seed=case)
+        depth = int(rng.integers(1, 4))
+        tokens, whole_q, few_q, q_ids = [], [], [], []
+        for _ in range(depth):
+            draft_logits = (rng.standard_normal((1, vocab)) * 2).astype(np.float32)
+            if rng.random() < 0.3:  # a deterministic draft, anywhere in the vocabulary
+                tokens.append(int(rng.integers(vocab)))
+                whole_q.append(None), few_q.append(None), q_ids.append(None)
+                continue
+            q = probabilities(process_logits(draft_logits[0], params, []))
+            tokens.append(Sampler(params).draw(q))
+            values, ids = ops.top_k_candidates(draft_logits, params.top_k, params.temperature)
+            whole_q.append(q), few_q.append(probabilities(process_logits(values[0], params, [], ids))), q_ids.append(ids)
+        logits = (rng.standard_normal((depth + 1, vocab)) * 2).astype(np.float32)
+        values, columns = ops.top_k_candidates(logits, params.top_k, params.temperature)
+        whole = accept(rule, process_rows(logits, params, [], tokens), Draft(tokens, whole_q), Sampler(params))
+        few = accept(rule, process_rows(values, params, [], tokens, columns), Draft(tokens, few_q, q_ids), Sampler(params),
+                     columns)
+        assert few == whole, case
+
+
 def test_residual_without_positive_part_falls_back_to_p():
     """p <= q everywhere (so p == q, or p one-hot on the draft with q None): norm(max(0, p - q)) is
     0/0, and acceptance never asks for it (u * q(x) < p(x) always holds). residual() answers p."""
@@ -624,12 +656,12 @@ class SymbolicModel:
             out.append(("mtp", tuple(state.rows)))
         return symbols(*out)
 
-    def draft_logits(self, hidden, top_k: int = 0, temperature: float = 1.0):
+    def draft_candidates(self, hidden, top_k: int = 0, temperature: float = 1.0):
         """Whole rows whatever top_k asks (Model may send only what top-k keeps; the processors apply it)."""
-        return np.stack([logits_of(h, self.vocab) for h in hidden[:, 0]])
+        return np.stack([logits_of(h, self.vocab) for h in hidden[:, 0]]), None
 
     def draft_greedy_ids(self, hidden):
-        return self.draft_logits(hidden).argmax(axis=-1)
+        return self.draft_candidates(hidden)[0].argmax(axis=-1)
 
 
 def logits_of(symbol, vocab: int) -> np.ndarray:
