@@ -81,6 +81,7 @@ class Job:
     options: GenerateOptions
     switches: Switches
     stop: tuple[str, ...] = ()
+    turn_start: int | None = None  # prompt tokens before the reply's opening (engine.generate's)
     cancel: threading.Event = field(default_factory=threading.Event)
     received: int = 0  # arrival order, from 1
     started: int = 0  # order the engine took it up, from 1
@@ -166,7 +167,7 @@ class EngineQueue:
     def _run(self, job: Job) -> None:
         scan = StopScan(job.stop)
         for event in generate(self.lm, job.prompt_ids, job.options, cancel=job.cancel, switches=job.switches,
-                              cache=self.prompt_cache):
+                              cache=self.prompt_cache, turn_start=job.turn_start):
             if isinstance(event, Tokens):
                 job.generated_tokens = event.stats.generated_tokens
                 if job.finish == "stop":  # past a stop string: the cycle in flight ends the reply
@@ -394,11 +395,12 @@ def build_app(engine: EngineQueue, settings: ServeSettings, api_key: str | None 
                 raise RequestError(f"the prompt is {len(prompt_ids):,} tokens but the context budget is "
                                    f"{settings.budget:,}; shorten it (or start duet serve with a larger --context)",
                                    "messages" if chat else "prompt")
+            turn_start = lm.tokenizer.turn_start(chat_messages(body), prompt_ids) if chat else None
         except RequestError as failure:
             return error(400, str(failure), "invalid_request_error", failure.param)
         except DuetError as failure:  # the chat template refused the messages
             return error(400, str(failure), "invalid_request_error", "messages")
-        job = Job(prompt_ids, options, switches, stops)
+        job = Job(prompt_ids, options, switches, stops, turn_start=turn_start)
         try:
             ahead = engine.submit(job)
         except Stopping as failure:

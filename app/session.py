@@ -126,13 +126,17 @@ class ChatSession:
 
     # ---- context ----
 
-    def prompt_text(self, messages: list[Message], new_text: str | None = None) -> str:
-        """The chat template rendered over the in-context messages (and a message about to be sent)."""
+    def chat(self, messages: list[Message], new_text: str | None = None) -> list[dict]:
+        """The in-context messages (and a message about to be sent) as the chat template takes them."""
         chat = [{"role": "system", "content": self.conversation.system_prompt}] if self.conversation.system_prompt else []
         chat += [{"role": m.role, "content": m.content} for m in messages if m.in_context]
         if new_text is not None:
             chat.append({"role": "user", "content": new_text})
-        return self.lm.tokenizer.render_chat(chat, add_generation_prompt=True)
+        return chat
+
+    def prompt_text(self, messages: list[Message], new_text: str | None = None) -> str:
+        """The chat template rendered over chat(messages, new_text), with the reply's opening."""
+        return self.lm.tokenizer.render_chat(self.chat(messages, new_text), add_generation_prompt=True)
 
     def prompt_ids(self, messages: list[Message], new_text: str | None = None) -> list[int]:
         return self.lm.tokenizer.encode(self.prompt_text(messages, new_text))
@@ -188,12 +192,14 @@ class ChatSession:
             raise DuetError("the conversation does not end with a message to answer")
         prompt = self.prompt_text(messages)
         prompt_ids = self.lm.tokenizer.encode(prompt)
+        turn_start = self.lm.tokenizer.turn_start(self.chat(messages), prompt_ids)  # the cache keeps the state there too
         started = time.perf_counter()
         # A template that opens the think block in the prompt: the reply starts inside it, so it
         # is saved (and shown) with its opening tag, as a model that opens the block itself writes it.
         opened = THINK_OPEN + "\n" if prompt.rstrip().endswith(THINK_OPEN) else ""
         batcher = _Batcher(started, batch_seconds, opened)
-        for event in generate(self.lm, prompt_ids, options, cancel=cancel, switches=self.switches, cache=self.prompt_cache):
+        for event in generate(self.lm, prompt_ids, options, cancel=cancel, switches=self.switches, cache=self.prompt_cache,
+                              turn_start=turn_start):
             if isinstance(event, Tokens):
                 chunk = batcher.add(event)
                 if chunk:

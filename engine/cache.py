@@ -182,6 +182,13 @@ class DeltaNetState:
         self.conv = self.window[rows : rows + kernel_minus_1].copy()
         self.recurrent = self.row_states[rows - 1]
 
+    def saved(self) -> tuple:
+        """A copy of the state as it is now, for restore (SequenceState.checkpoint)."""
+        return self.conv.copy(), self.recurrent.copy()
+
+    def restore(self, saved: tuple) -> None:
+        self.conv, self.recurrent = saved
+
 
 class IndexedKVCache:
     """A QSA layer's cache (Flash-Next): its keys and values (`kv`, full or q4) and the indexer's raw keys
@@ -251,6 +258,12 @@ class PLEState:
         self.tokens = self.token_window[rows : rows + len(self.tokens)].copy()
         self.conv = self.conv_window[rows : rows + self.conv.shape[0]].copy()
 
+    def saved(self) -> tuple:
+        return self.tokens.copy(), self.conv.copy()
+
+    def restore(self, saved: tuple) -> None:
+        self.tokens, self.conv = saved
+
 
 class WithPLE:
     """A DeltaNet layer's state and its PLE's, rolled back together."""
@@ -261,6 +274,16 @@ class WithPLE:
     def keep(self, rows: int) -> None:
         self.mixer.keep(rows)
         self.ple.keep(rows)
+
+    def saved(self) -> tuple:
+        return self.mixer.saved(), self.ple.saved()
+
+    def restore(self, saved: tuple) -> None:
+        self.mixer.restore(saved[0])
+        self.ple.restore(saved[1])
+
+
+ATTENTION = (KVCache, Q4KVCache, IndexedKVCache)  # caches a rollback cuts back by their length
 
 
 class SequenceState:
@@ -280,7 +303,7 @@ class SequenceState:
         """Roll back the last (row-by-row) call to its first `rows` rows."""
         end = self.length_before_last_call + rows
         for cache in self.layers:
-            if isinstance(cache, (KVCache, Q4KVCache, IndexedKVCache)):
+            if isinstance(cache, ATTENTION):
                 cache.truncate(end)
             else:
                 cache.keep(rows)
@@ -288,7 +311,22 @@ class SequenceState:
 
     def rewind(self, length: int) -> None:
         """Cut an attention-only state (the MTP head's) back to `length` tokens."""
-        assert all(isinstance(cache, (KVCache, Q4KVCache, IndexedKVCache)) for cache in self.layers)
+        assert all(isinstance(cache, ATTENTION) for cache in self.layers)
         for cache in self.layers:
             cache.truncate(length)
         self.length = length
+
+    def checkpoint(self) -> tuple:
+        """What restore needs to bring this state back to now, however far it runs on: the length
+        (attention caches are cut back to it) and a copy of every other layer's state."""
+        return self.length, [None if isinstance(cache, ATTENTION) else cache.saved() for cache in self.layers]
+
+    def restore(self, checkpoint: tuple) -> None:
+        """Make the state a checkpoint of this state saw current again (once: the copies are taken over)."""
+        self.length, saved = checkpoint
+        for cache, copy in zip(self.layers, saved):
+            if copy is None:
+                cache.truncate(self.length)
+            else:
+                cache.restore(copy)
+        self.length_before_last_call = self.length

@@ -59,46 +59,62 @@ class PromptCache:
     DeltaNet and conv states) and the drafter's, and the tokens whose rows they hold.
 
     A chat turn's prompt is the last prompt, the reply and a new message, so when the held tokens
-    begin the next prompt only the rest is prefilled. DeltaNet's state cannot be cut back to an
-    earlier token, so any other prompt (an edited or regenerated turn, a template that rewrites
-    earlier replies) starts afresh, as does another model, route, KV cache kind or drafter: rows
-    are reused only where a fresh prefill would have run the same weights over the same tokens.
+    begin the next prompt only the rest is prefilled. Where the next prompt renders the reply
+    otherwise than it was generated (a template that leaves a reasoning model's thinking out of
+    earlier turns) or answers the same turn again (a regenerated reply), a checkpoint of the state
+    at the start of the reply's turn (`turn_start` of generate) serves instead. DeltaNet's state
+    cannot be cut back to an earlier token, so any other prompt (an edited turn) starts afresh, as
+    does another model, route, KV cache kind or drafter: rows are reused only where a fresh prefill
+    would have run the same weights over the same tokens.
     """
 
     tokens: list[int] = field(default_factory=list)  # the tokens whose rows `state` holds, in order
     state: object = None
-    # An MTP drafter's state, its rows up to the last token's (that row pairs the last token's hidden
-    # state with the token after it, which the next prompt may not follow), and that hidden state [1, H].
+    # An MTP drafter's state, whose rows follow the state's (cut back, when taken, to the rows before
+    # the last: that row pairs the last token's hidden state with the token after it, which the next
+    # prompt may not follow), and the hidden state of the state's last row [1, H].
     drafter_state: object = None
     last_hidden: object = None
+    # The start of the reply's turn: its tokens, the state's checkpoint there and that row's hidden state.
+    turn_tokens: list[int] = field(default_factory=list)
+    turn_checkpoint: object = None
+    turn_hidden: object = None
     model: object = None  # the Model whose weights made the states ...
     settings: tuple = ()  # ... under (route, KV cache kind, drafter name)
 
     def take(self, prompt_ids: list[int], model, settings: tuple):
-        """(state, drafter state, last hidden state, tokens held) when the held rows begin prompt_ids
-        (with a token after them left to prefill), else None. Empties the cache either way, so the
-        caller owns the states (and a state that does not fit is let go before a new one is made:
-        never two on a card)."""
-        state, drafter_state, last_hidden, made_by = self.state, self.drafter_state, self.last_hidden, self.model
-        self.state = self.drafter_state = self.last_hidden = self.model = None
-        n = len(self.tokens)
-        if state is None or model is not made_by or settings != self.settings or len(prompt_ids) <= n \
-                or list(prompt_ids[:n]) != self.tokens:
+        """(state, drafter state, last hidden state, tokens held) when the held rows, or those up to
+        the turn's start, begin prompt_ids (with a token after them left to prefill), else None.
+        Empties the cache either way, so the caller owns the states (and a state that does not fit is
+        let go before a new one is made: never two on a card)."""
+        state, drafter_state, made_by = self.state, self.drafter_state, self.model
+        held = [(self.tokens, None, self.last_hidden), (self.turn_tokens, self.turn_checkpoint, self.turn_hidden)]
+        self.state = self.drafter_state = self.last_hidden = self.turn_checkpoint = self.turn_hidden = self.model = None
+        if state is None or model is not made_by or settings != self.settings:
             return None
-        return state, drafter_state, last_hidden, n
+        for tokens, checkpoint, hidden in held:
+            n = len(tokens)
+            if hidden is None or len(prompt_ids) <= n or list(prompt_ids[:n]) != tokens:
+                continue
+            if checkpoint is not None:
+                state.restore(checkpoint)
+            if drafter_state is not None:
+                drafter_state.rewind(n - 1)
+            return state, drafter_state, hidden, n
+        return None
 
-    def keep(self, state, drafter_state, last_hidden, history: list[int], model, settings: tuple) -> None:
+    def keep(self, state, drafter_state, last_hidden, history: list[int], model, settings: tuple,
+             turn: tuple | None = None) -> None:
         """Hold these states for the next turn. history: the prompt and the reply's tokens, of which
         state holds the rows of all, or all but the last (the reply's last token is the row a next
-        cycle would have run); drafter_state: the drafter's (None: it keeps none), whose rows follow
-        the state's; last_hidden: the hidden state of the state's last row."""
+        cycle would have run; else only the turn's start is held); drafter_state: the drafter's (None:
+        it keeps none); last_hidden: the hidden state of the state's last row; turn: (tokens,
+        state.checkpoint(), hidden state of its last row) at the start of the reply's turn, or None."""
         rows = state.length
-        if rows > len(history) or (drafter_state is not None and drafter_state.length < rows - 1):
-            return
-        if drafter_state is not None:
-            drafter_state.rewind(rows - 1)
-        self.tokens, self.state, self.drafter_state, self.last_hidden = history[:rows], state, drafter_state, last_hidden
-        self.model, self.settings = model, settings
+        whole = rows <= len(history) and (drafter_state is None or drafter_state.length >= rows - 1)
+        self.tokens, self.last_hidden = (history[:rows], last_hidden) if whole else ([], None)
+        self.turn_tokens, self.turn_checkpoint, self.turn_hidden = turn or ([], None, None)
+        self.state, self.drafter_state, self.model, self.settings = state, drafter_state, model, settings
 
 
 @dataclass
@@ -240,13 +256,15 @@ class Finished:
 
 def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
              cancel: threading.Event | None = None, switches: Switches | None = None,
-             drafter=None, cache: PromptCache | None = None) -> Iterator[Tokens | Finished]:
+             drafter=None, cache: PromptCache | None = None, turn_start: int | None = None) -> Iterator[Tokens | Finished]:
     """Generate a reply to `prompt_ids`; stop on any eos id, max_tokens, the context budget or cancel.
 
     `drafter` overrides options.draft with any object that has the interface of
     engine.speculative.NoDrafter (name, depth_cap, state, start, propose, commit). `cache`: the
     conversation's PromptCache: the rows it holds of this prompt are not run again, and it holds
-    this reply's states when the reply ends.
+    this reply's states when the reply ends; with `turn_start` (the prompt's tokens before the
+    reply's opening, the end of the conversation's last message) and the bf16 KV cache (the q4
+    cache's exact rows move on), also a checkpoint of the state there.
     """
     budget = options.context or lm.config.max_position_embeddings
     if not prompt_ids:
@@ -302,7 +320,15 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
         state = model.new_state(options.kv)
     else:
         state, drafter.state, held_hidden, stats.cached_tokens = held
-    hidden = model.forward(state, prompt_ids[stats.cached_tokens :], last_only=not drafter.reads_prompt_hidden)
+    turn = None
+    if cache is not None and turn_start is not None and options.kv == KVCache.BF16 \
+            and stats.cached_tokens < turn_start < len(prompt_ids):  # prefilled in two parts, the state kept between
+        before = model.forward(state, prompt_ids[stats.cached_tokens : turn_start], last_only=not drafter.reads_prompt_hidden)
+        turn = (list(prompt_ids[:turn_start]), state.checkpoint(), before[-1:])
+    hidden = model.forward(state, prompt_ids[turn_start if turn else stats.cached_tokens :],
+                           last_only=not drafter.reads_prompt_hidden)
+    if turn and drafter.reads_prompt_hidden:
+        hidden = model.ops.concat([before, hidden], axis=0)
     last_hidden = hidden[-1:]  # of the state's last row, which a next turn's drafter starts from
     on_device = argmax_only(options.sampling)  # greedy without penalties: only argmax ids leave the device
     top_k, temperature = candidates_top_k(options.sampling), options.sampling.temperature  # else what top-k keeps
@@ -315,7 +341,7 @@ def generate(lm: LoadedModel, prompt_ids: list[int], options: GenerateOptions,
 
     def finished(reason: str) -> Finished:
         if cache is not None and len(stats.routes) == 1:  # states of one route only
-            cache.keep(state, drafter.state, last_hidden, history, model, settings)
+            cache.keep(state, drafter.state, last_hidden, history, model, settings, turn)
         return Finished(reason, stats, drafter.name)
 
     event, reason = emit([first], None)

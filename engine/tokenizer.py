@@ -140,6 +140,13 @@ class Tokenizer:
         except chat_template.TemplateFailure as failure:
             raise DuetError(f"chat template in {self._template_source}: {failure}; {RAW_HINT}") from None
 
+    def turn_start(self, messages: list[dict], prompt_ids: list[int], **render) -> int | None:
+        """How many of prompt_ids (messages rendered with the reply's opening) come before that
+        opening: the length of the conversation rendered without it, when its tokens begin
+        prompt_ids (a template may write the end of the last message otherwise then); else None."""
+        before = self.encode(self.render_chat(messages, add_generation_prompt=False, **render))
+        return len(before) if len(before) < len(prompt_ids) and prompt_ids[: len(before)] == before else None
+
 
 class StreamDecoder:
     """Turns ids arriving a few at a time into text, holding back a character split across tokens.

@@ -574,6 +574,14 @@ class DeltaNetState:
         ring's rows past them are written again when their positions run again)."""
         self.recurrent[...] = self.row_states[rows - 1]
 
+    def saved(self) -> tuple:
+        """engine.cache.DeltaNetState.saved: the whole ring (the rows before any later position)."""
+        return self.ring.copy(), self.recurrent.copy()
+
+    def restore(self, saved: tuple) -> None:
+        """Back into the same arrays, which captured cycles read."""
+        self.ring[...], self.recurrent[...] = saved
+
 
 def deltanet(mixed, z, layer, Hk: int, dk: int, state: DeltaNetState, slices, eps: float, sigmoid: bool = False,
              forms: int = 0, b=None, a=None, ba_weight=None, x=None) -> cp.ndarray | Activations:

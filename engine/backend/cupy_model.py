@@ -513,6 +513,19 @@ class GpuState:
         self.length = length
         self._sync_caches()
 
+    def checkpoint(self) -> tuple:
+        """engine.cache.SequenceState.checkpoint."""
+        return self.length, [None if isinstance(cache, ATTENTION_CACHES) else cache.saved() for cache in self.layers]
+
+    def restore(self, checkpoint: tuple) -> None:
+        """engine.cache.SequenceState.restore."""
+        self.length, saved = checkpoint
+        for cache, copy in zip(self.layers, saved):
+            if copy is not None:
+                cache.restore(copy)
+        self.length_before_last_call = self.length
+        self._sync_caches()
+
     def _sync_caches(self) -> None:
         # The caches' own counts move with uncaptured appends only (a replay runs no host code); the
         # kernels never read them, so the state's count is the one kept.

@@ -139,6 +139,9 @@ def test_a_request_that_carries_on_the_last_conversation_prefills_only_its_new_t
     second = demo.client.chat.completions.create(model="demo_int4", messages=messages, max_tokens=16, temperature=0)
     held = first.usage.prompt_tokens + first.usage.completion_tokens - 1  # all but the reply's last token have rows
     assert second.model_extra["duet"]["stats"]["cached_tokens"] >= held
+    again = demo.client.chat.completions.create(model="demo_int4", messages=messages, max_tokens=16, temperature=0)
+    assert again.choices[0].message.content == second.choices[0].message.content  # asked again: from the turn's start
+    assert 0 < again.model_extra["duet"]["stats"]["cached_tokens"] < again.usage.prompt_tokens
 
 
 def test_stop_strings_end_the_text_before_the_first_one(demo, capsys):

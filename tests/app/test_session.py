@@ -108,7 +108,8 @@ def test_system_prompt_is_part_of_the_prompt(store, tiny_lm):
 
 def test_a_second_turn_reuses_the_first_replys_rows_and_the_readout_says_so(store):
     """The demo model's chat template renders a saved reply as its tokens were generated, so the
-    next turn's prompt begins with every row the reply left; a regenerated turn starts afresh."""
+    next turn's prompt begins with every row the reply left; a regenerated turn reuses the rows up
+    to the end of the message it answers (the cache's checkpoint at the turn's start)."""
     session = new_session(store, load_model(bundled_demo_model()))
     options = GenerateOptions(max_tokens=24, draft="mtp")
     session.add_user_message("Tell me about the land of Egypt.")
@@ -121,7 +122,9 @@ def test_a_second_turn_reuses_the_first_replys_rows_and_the_readout_says_so(stor
     assert ("reused", f"{reused:,} tokens") in readout_rows(second.readout)
     assert ("reused", f"{reused:,} tokens") not in readout_rows(Readout.of_saved(first.message.stats))
     session.reopen_last_turn()
-    assert reply(session, options)[-1].readout.cached_tokens == 0  # the state had moved past this prompt
+    prompt = session.prompt_ids(session.messages())
+    before_reply = session.lm.tokenizer.turn_start(session.chat(session.messages()), prompt)
+    assert 0 < reply(session, options)[-1].readout.cached_tokens == before_reply < len(prompt)
 
 
 def test_regenerate_replaces_only_the_reply(store, tiny_lm):

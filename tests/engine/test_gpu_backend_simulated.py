@@ -153,20 +153,27 @@ def test_a_capture_the_driver_refuses_leaves_the_reply_uncaptured_and_unchanged(
 
 
 @pytest.mark.usefixtures("cp")
-def test_a_turn_continues_the_device_states_the_last_reply_left(prompt, monkeypatch):
+@pytest.mark.parametrize("from_turn_start", [False, True])
+def test_a_turn_continues_the_device_states_the_last_reply_left(prompt, monkeypatch, from_turn_start):
     """engine.PromptCache on the GPU op set: the held device state (its captured graphs, conv rings,
-    the MTP head's cache) continues into the next turn as the CPU engine's does."""
+    the MTP head's cache) continues into the next turn as the CPU engine's does, from the reply's end
+    or, restored from its checkpoint, from the turn's start (a ring written over since)."""
+    turn_start = len(prompt) - 3
+
     def two_turns(backend: str):
         lm = load(MODELS / "demo_int4", "w4a16", backend, monkeypatch)
         cache = PromptCache()
-        options = GenerateOptions(max_tokens=24, sampling=SamplingParams(temperature=0), draft="mtp")
-        first = [t for e in generate(lm, prompt, options, cache=cache) if isinstance(e, Tokens) for t in e.token_ids]
-        events = list(generate(lm, cache.tokens + prompt, options, cache=cache))
+        options = GenerateOptions(max_tokens=40, sampling=SamplingParams(temperature=0), draft="mtp")
+        events = generate(lm, prompt, options, cache=cache, turn_start=turn_start)
+        first = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
+        follow = (prompt[:turn_start] if from_turn_start else cache.tokens) + prompt
+        events = list(generate(lm, follow, options, cache=cache))
         second = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
         return first, second, events[-1].stats.cached_tokens
 
     got = two_turns("cupy")
-    assert got == two_turns("cpu") and got[2] >= len(prompt) + len(got[0]) - 1
+    assert got == two_turns("cpu")
+    assert got[2] == turn_start if from_turn_start else got[2] >= len(prompt) + len(got[0]) - 1
 
 
 @pytest.mark.usefixtures("cp")

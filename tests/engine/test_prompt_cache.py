@@ -23,9 +23,10 @@ def demo():
     return load_model(MODELS / "demo")
 
 
-def reply(lm, prompt: list[int], options: GenerateOptions, cache: PromptCache | None = None):
+def reply(lm, prompt: list[int], options: GenerateOptions, cache: PromptCache | None = None,
+          turn_start: int | None = None):
     """(tokens, text, stats) of one reply."""
-    events = list(generate(lm, prompt, options, cache=cache))
+    events = list(generate(lm, prompt, options, cache=cache, turn_start=turn_start))
     tokens = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
     finished = events[-1]
     assert isinstance(finished, Finished)
@@ -53,6 +54,23 @@ def test_each_turn_prefills_only_what_the_last_reply_did_not_hold(demo, draft):
         assert prompt[:held] == cache.tokens[:held]
         assert stats.to_dict().get("cached_tokens", 0) == held
         chat.append({"role": "assistant", "content": text})
+
+
+@pytest.mark.parametrize("draft", ["mtp", "none"])
+def test_a_turn_that_renders_the_last_reply_otherwise_continues_from_the_turns_start(demo, draft):
+    """A template that rewrites earlier replies (a reasoning model's thinking left out) breaks the
+    prompt off inside the held reply: the checkpoint at the end of the message it answered serves,
+    and the reply is a fresh prefill's. With the q4 KV cache (its exact rows move on) no checkpoint
+    is kept."""
+    chat = [{"role": "user", "content": QUESTIONS[0]}]
+    opening = len(demo.tokenizer.encode(demo.tokenizer.render_chat(chat, add_generation_prompt=False)))  # to the message end
+    for kv, kept in [("bf16", opening), ("q4", 0)]:
+        cache, options = PromptCache(), GenerateOptions(max_tokens=24, draft=draft, kv=kv)
+        text = reply(demo, chat_prompt(demo, chat), options, cache, turn_start=opening)[1]
+        rewritten = chat + [{"role": "assistant", "content": "And " + text}, {"role": "user", "content": QUESTIONS[1]}]
+        prompt = chat_prompt(demo, rewritten)
+        tokens, _, stats = reply(demo, prompt, options, cache)
+        assert stats.cached_tokens == kept and tokens == reply(demo, prompt, options)[0]
 
 
 def test_a_reply_that_ends_on_an_accepted_stop_token_is_held_with_its_row(demo):
@@ -141,6 +159,10 @@ def test_held_states_continue_as_a_fresh_prefill_would(mtp_lm):
     scale = np.abs(fresh).max()
     np.testing.assert_allclose(continued, fresh[n:], rtol=0, atol=1e-4 * scale)
 
+    assert_drafter_continues(model, mtp_state, last_hidden, continued, follow, fresh)
+
+
+def assert_drafter_continues(model, mtp_state, last_hidden, continued, follow, fresh) -> None:
     drafter = MTPDrafter(model)
     drafter.state = mtp_state
     drafter.start(follow, np.concatenate([last_hidden, continued]), first=11)
@@ -148,3 +170,20 @@ def test_held_states_continue_as_a_fresh_prefill_would(mtp_lm):
     again.start(follow, fresh, first=11)
     assert drafter.state.length == again.state.length == len(follow)
     np.testing.assert_allclose(drafter.hidden, again.hidden, rtol=0, atol=1e-4 * np.abs(again.hidden).max())
+
+
+def test_the_turns_checkpoint_brings_the_states_back_as_they_were(mtp_lm):
+    """After a reply of depth-3 MTP drafts, the checkpoint at the turn's start restores the KV caches,
+    DeltaNet and conv states and the MTP head's state to continue as one prefill of the turn's start
+    and what follows it would."""
+    model = mtp_lm.model
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 300, 90)]
+    cache = PromptCache()
+    reply(mtp_lm, prompt, GenerateOptions(max_tokens=24, depth=3, draft="mtp"), cache, turn_start=75)
+    follow = prompt[:75] + [5, 6, 7, 8]
+    state, mtp_state, last_hidden, n = cache.take(follow, model, (mtp_lm.route, "bf16", "mtp"))
+    assert n == 75 and state.length == 75 and mtp_state.length == 74
+    continued = model.forward(state, follow[n:])
+    fresh = model.forward(model.new_state(), follow)
+    np.testing.assert_allclose(continued, fresh[n:], rtol=0, atol=1e-4 * np.abs(fresh).max())
+    assert_drafter_continues(model, mtp_state, last_hidden, continued, follow, fresh)

@@ -202,6 +202,20 @@ def test_empty_think_block_only_when_thinking_is_off(ours: Tokenizer) -> None:
     assert ours.render_chat(CONVERSATIONS[0], enable_thinking=True).endswith("<|im_start|>assistant\n")
 
 
+def test_the_turn_starts_where_the_conversation_without_the_reply_opening_ends(ours: Tokenizer) -> None:
+    """The demo's template writes the reply's opening (`<|im_start|>assistant\\n`) after the last
+    message's tokens; prompt ids that do not begin with those have no turn start, nor has a template
+    that ends a conversation without an opening otherwise (this module's writes eos_token there)."""
+    demo = Tokenizer.from_dir(Path(__file__).resolve().parents[2] / "models" / "demo")
+    conversation = CONVERSATIONS[0]
+    prompt = demo.encode(demo.render_chat(conversation))
+    start = demo.turn_start(conversation, prompt)
+    assert demo.decode(prompt[start:]) == "<|im_start|>assistant\n" and demo.decode(prompt[:start]).endswith("<|im_end|>\n")
+    assert demo.turn_start(conversation, prompt[:start]) is None  # nothing after it
+    assert demo.turn_start(conversation, [prompt[0] + 1] + prompt[1:]) is None
+    assert ours.turn_start(conversation, ours.encode(ours.render_chat(conversation))) is None
+
+
 def test_template_sources_in_order_of_preference(model_dir: Path, tmp_path: Path, ours: Tokenizer) -> None:
     folder = copy_of(model_dir, tmp_path)
     templates = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": CHAT_TEMPLATE}]
