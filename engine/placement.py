@@ -477,6 +477,7 @@ def _fixed_parts(weights: Weights, c: ModelConfig, kv: str, host_tables: bool, d
     """Everything on the card except the KV cache and the routed experts."""
     drafters = drafting_layers(weights, c, depth)
     copies = 1 if depth == 0 else depth + 2  # current state, and one snapshot per verify row
+    copies += kv == KVCache.BF16  # a chat's checkpoint where the reply's turn starts (engine.generate.PromptCache)
     parts = {
         "decoder weights": sum(v for k, v in weights.decoder.items() if k != EXPERTS),
         "lm_head": weights.head_held,
