@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from duet.engine.assemble import Linears, assemble, routed_expert
-from duet.engine.backend import compiled
+from duet.engine.backend import compiled, compiled_sampling
 from duet.engine.backend.cpu_ops import CpuOps
 from duet.engine.backend.select import backend_name, gpu_geometry_problem
 from duet.engine.checkpoint.gguf import GGUFCheckpoint, find_gguf
@@ -128,8 +128,9 @@ def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None
     model = assemble_on(weights, chosen, host_tables, chosen_backend, opened.location, on_card)
     if isinstance(model.ops, CpuOps):  # the CPU's after all (a weight the GPU kernels do not take): nothing to place
         chosen_backend, on_card = "cpu", None
-    if chosen_backend == "cpu" or on_card is not None:  # the CPU's kernels: the model's, or its host experts'
-        compiled.compile_kernels(progress and (lambda done, total: progress(LoadProgress(done, total, LoadProgress.KERNELS))))
+    # The CPU's kernels: the model's, or its host experts', and the sampler's (on the host whatever the backend)
+    compiled.compile_kernels(progress and (lambda done, total: progress(LoadProgress(done, total, LoadProgress.KERNELS))),
+                             model_kernels=chosen_backend == "cpu" or on_card is not None, also=[compiled_sampling.warm_up])
     lm = LoadedModel(opened.name, opened.location, opened.config, model,
                      opened.tokenizer, route=chosen, routes=opened.routes,
                      weights=weights if len(opened.routes) > 1 or on_card is not None else None, host_tables=host_tables,

@@ -305,3 +305,14 @@ def stable_topk(monkeypatch):
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def sampler_path(request, monkeypatch):
+    """Run a test on the sampler's compiled kernels (engine/backend/compiled_sampling.py, the default)
+    and again on engine/sampling.py's numpy code, the reference they reproduce."""
+    import duet.engine.sampling as sampling
+
+    if request.param == "numpy":
+        monkeypatch.setattr(sampling, "_compiled", None)
+    return request.param

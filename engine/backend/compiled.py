@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -1910,13 +1910,33 @@ class BF16Linear(cpu.Linear):
         return out
 
 
-def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
+def compile_kernels(report: Callable[[int, int], None] | None = None, model_kernels: bool = True,
+                    also: Sequence[Callable[[], None]] = ()) -> None:
     """Compile every kernel for the argument types the Linears pass (or load it from the disk cache),
     reporting (kernels done, kernels in all) after each. A machine's first run compiles, about a
     second a kernel; later runs load them in milliseconds. Each kernel runs once on a tiny input
-    through the same code a model uses, so the types match what the model will pass."""
+    through the same code a model uses, so the types match what the model will pass. model_kernels
+    False: only the steps `also` names (kernels of other modules: the sampler's, which every backend runs)."""
     if unavailable():
         return
+    steps = (_model_kernel_steps() if model_kernels else []) + list(also)
+    global _SEEN_SPLITS
+    _SEEN_SPLITS = seen = []
+    try:
+        for done, step in enumerate(steps, 1):
+            step()
+            # its kernels' parts drivers too (these inputs are too small to split): same argument types
+            for kernel, args, n in seen:
+                parts_driver(kernel)(args, n, 2)
+            seen.clear()
+            if report:
+                report(done, len(steps))
+    finally:
+        _SEEN_SPLITS = None
+
+
+def _model_kernel_steps() -> list[Callable[[], None]]:
+    """compile_kernels' steps for a model's kernels: each Linear kind at one and four rows, and each step kernel."""
     rng = np.random.default_rng(0)
     x1, x4 = rng.standard_normal((1, 256), np.float32), rng.standard_normal((4, 256), np.float32)
 
@@ -1943,19 +1963,7 @@ def compile_kernels(report: Callable[[int, int], None] | None = None) -> None:
     steps.append(lambda: conv_rows(np.zeros((4, 2), np.float32), np.zeros((4, 2), np.float32), rows.copy()))
     steps.append(lambda: attend_rows(np.zeros((1, 2, 4), np.float32), np.zeros((1, 4, 4), np.float32),
                                      np.zeros((1, 4, 4), np.float32), 0, np.zeros((1, 24), np.float32), np.zeros((1, 8), np.float32)))
-    global _SEEN_SPLITS
-    _SEEN_SPLITS = seen = []
-    try:
-        for done, step in enumerate(steps, 1):
-            step()
-            # its kernels' parts drivers too (these inputs are too small to split): same argument types
-            for kernel, args, n in seen:
-                parts_driver(kernel)(args, n, 2)
-            seen.clear()
-            if report:
-                report(done, len(steps))
-    finally:
-        _SEEN_SPLITS = None
+    return steps
 
 
 def make_linear(weight, route: str):

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from duet.engine.backend import MAX_ROWS, compiled, cpu
+from duet.engine.backend import MAX_ROWS, compiled, compiled_sampling, cpu
 from duet.engine.backend.threads import in_parallel, one_blas_thread
 from duet.engine.cache import DeltaNetState, KVCache, Q4KVCache, SequenceState
 from duet.engine.heads import ShortlistHead
@@ -360,6 +360,8 @@ class CpuOps:
         T, V = logits.shape
         if not 0 < top_k < V:
             return logits, None
+        if self.compiled_steps:
+            return compiled_sampling.top_k_columns(logits, top_k, temperature)
         scaled = logits / np.float32(temperature)
         kth = np.partition(scaled, V - top_k, axis=-1)[:, V - top_k : V - top_k + 1]  # [T, 1]
         rows, columns = np.divmod(np.flatnonzero(scaled >= kth), V)  # np.nonzero of [T, V]: 26 us, this 5 (4 x 4,096)

@@ -102,10 +102,10 @@ async def test_loading_says_when_it_prepares_the_cpu_kernels(make_app, monkeypat
     release = threading.Event()
     real = compiled.compile_kernels
 
-    def first_run(report=None):
+    def first_run(report=None, **kernels):
         report(1, 5)
         release.wait(10)
-        real(report)
+        real(report, **kernels)
 
     monkeypatch.setattr(compiled, "compile_kernels", first_run)
     app = make_app()

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from duet.engine.backend import compiled, cpu
+from duet.engine.backend import compiled, compiled_sampling, cpu
 from duet.engine.quant import trellis as T
 from duet.engine.quant.activation import quantize_int8_blocks, round_to_bf16
 from duet.engine.quant.gguf_blocks import BlockMatrix
@@ -513,10 +513,10 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     """compile_kernels (run by load_model) reports every kernel, and prepares each for exactly the
     argument types the models then pass: running a float, an INT4 (both routes) and a GGUF model
     compiles nothing more (numba would otherwise compile a second signature on the first token)."""
-    from duet.engine import GenerateOptions, generate, load_model
+    from duet.engine import GenerateOptions, SamplingParams, generate, load_model
 
     reports = []
-    compiled.compile_kernels(lambda done, total: reports.append((done, total)))
+    compiled.compile_kernels(lambda done, total: reports.append((done, total)), also=[compiled_sampling.warm_up])
     assert reports == [(i, len(reports)) for i in range(1, len(reports) + 1)] and len(reports) >= 5
     w4a8 = [compiled._w4a8_rows, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] != "generic" else \
         [compiled._w4a8_rows_loops, compiled._w4a8_bytes]
@@ -524,12 +524,15 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     kernels = [*w4a8, w4a16, compiled._dense, compiled.deltanet_heads,
                compiled.rms_norm_rows, compiled.add_rms_norm_rows, compiled.qk_norm_rope_rows, compiled.swiglu_rows, compiled.conv_rows, compiled.attend_rows]
     drivers = [compiled.parts_driver(kernel) for kernel in kernels[:5]]  # the same kernels split between threads
+    # the sampler's: softmax into float32 (probabilities) and float64 (a pick), draws from either
+    kernels += [compiled_sampling._top_k_columns, compiled_sampling._warp_rows, compiled_sampling.softmax_rows, compiled_sampling._draw_index]
     prepared = [len(kernel.signatures) for kernel in kernels + drivers]
-    assert prepared == [2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] + [2, 1, 1, 1, 1]  # RowPlanes: f16 bits (Q4_0, Q8_0) and fp32 scales
+    assert prepared == [2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] + [1, 1, 2, 2] + [2, 1, 1, 1, 1]  # RowPlanes: f16 bits (Q4_0, Q8_0) and fp32 scales
     models = Path(__file__).parents[2] / "models"
     for path in (models / "demo", models / "demo_int4", models / "demo_gguf" / "demo-q8_0.gguf"):
         lm = load_model(path)
         for route in lm.routes:
             lm.use_route(route)
             list(generate(lm, [5, 6, 7, 8] * 5, GenerateOptions(max_tokens=4)))
+            list(generate(lm, [5, 6, 7, 8] * 5, GenerateOptions(max_tokens=8, sampling=SamplingParams(temperature=0.7, top_k=20, top_p=0.95))))
     assert [len(kernel.signatures) for kernel in kernels + drivers] == prepared

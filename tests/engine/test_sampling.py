@@ -19,6 +19,8 @@ from transformers.generation.logits_process import (
 from duet.engine.errors import DuetError
 from duet.engine.sampling import Sampler, SamplingParams, candidates_top_k, probabilities, process_logits, process_rows
 
+pytestmark = pytest.mark.usefixtures("sampler_path")  # each test on the compiled kernels and on numpy
+
 VOCAB = 97
 
 

@@ -28,6 +28,8 @@ from duet.engine.errors import DuetError
 from duet.engine.sampling import Sampler, SamplingParams, probabilities, process_logits, process_rows
 from test_sampling import one_torch_thread, transformers_processed  # noqa: F401 (an autouse fixture: one torch thread)
 
+pytestmark = pytest.mark.usefixtures("sampler_path")  # each test on the compiled kernels and on numpy
+
 VOCAB = 41
 
 

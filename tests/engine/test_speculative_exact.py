@@ -33,6 +33,8 @@ import pytest
 from duet.engine.sampling import Sampler, SamplingParams
 from duet.engine.speculative import EXACT, LOSSY, Draft, accept, residual
 
+pytestmark = pytest.mark.usefixtures("sampler_path")  # each test on the compiled kernels and on numpy
+
 V = 5  # vocabulary
 K = 3  # drafts per cycle: first, middle, last, then the bonus row
 TRIALS = 12_000  # sampled cycles per scenario, ~0.1 ms each; the negative controls reject at p < 1e-100
