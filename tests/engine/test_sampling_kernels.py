@@ -16,6 +16,7 @@ from duet.engine import Draft, GenerateOptions, SamplingParams, generate, load_m
 from duet.engine.backend import compiled_sampling
 from duet.engine.backend.cpu_ops import CpuOps
 from duet.engine.sampling import Sampler, process_logits, process_rows
+from test_sampling_reference import ScriptedRng
 
 DEMO = Path(__file__).parents[2] / "models" / "demo"
 
@@ -80,14 +81,6 @@ def test_softmax_is_numpys_within_four_ulp_of_float64(seed, T, V, ties, shortlis
     np.testing.assert_allclose(ours64, numpys64, rtol=4 * 2.0**-52, atol=0)
     np.testing.assert_allclose(ours32, numpys64.astype(np.float32), rtol=2.0**-23, atol=0)
     assert (ours64 == 0).tolist() == (numpys64 == 0).tolist()
-
-
-class ScriptedRng:
-    def __init__(self, values):
-        self.values = list(values)
-
-    def random(self):
-        return self.values.pop(0)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
