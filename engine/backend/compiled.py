@@ -128,7 +128,7 @@ def bf16_dot_kernels() -> list[str]:
     return ["avx512", "generic"] if {"avx512f", "avx512bw", "avx512vl", "fma"} <= _CPU_FEATURES else ["generic"]
 
 
-def _jit(fastmath: bool = False, inline: str = "never"):
+def kernel_jit(fastmath: bool = False, inline: str = "never"):
     """numba's njit for our kernels: no GIL, cached on disk, and numpy's error model (a float division
     by zero gives inf, as in numpy: Python's ZeroDivisionError check in a loop stops LLVM vectorizing it)."""
     if not _numba:
@@ -186,7 +186,7 @@ def unit_scales(row, scratch):
     return row if row.dtype == np.float32 else row.view(np.float16).astype(np.float32)
 
 
-@_jit()
+@kernel_jit()
 def decode_f16_bits(row, scratch):
     """f16 bits -> fp32 (scratch uint32 [n], returned seen as fp32), exactly, in integer arithmetic:
     unit_scales on CPUs without F16C. No fp32 subnormal operand (one costs the core a slow microcode
@@ -658,7 +658,7 @@ if _numba:
     _rows_tile_8, _rows_tile_4, _rows_tile_2, _rows_tile_1 = (_rows_tile(tokens) for tokens in (8, 4, 2, 1))
 
 
-@_jit(fastmath=True, inline="always")  # inlined into numba's IR: a call left to LLVM stops the vectorizer
+@kernel_jit(fastmath=True, inline="always")  # inlined into numba's IR: a call left to LLVM stops the vectorizer
 def exp_f32(x):
     """e^x in fp32, written so that LLVM vectorizes it (libm's expf is one scalar call a value, ~3x
     numpy's vectorized exp): x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial,
@@ -676,7 +676,7 @@ def exp_f32(x):
     return (p * r * r + r + np.float32(1)) * as_float32(np.uint32(np.int32(n) + 127) << np.uint32(23))
 
 
-@_jit(inline="always")  # inlined into numba's IR: _rescale took 61 ns for 256 lanes calling it, 42 with it inlined
+@kernel_jit(inline="always")  # inlined into numba's IR: _rescale took 61 ns for 256 lanes calling it, 42 with it inlined
 def _fold(terms, L):
     """Sum terms [n] (n a multiple of L) down to terms[:L]: halves add while the count of L-runs
     is even (one vector loop each), then the runs left add in order. Integer sums are exact in any
@@ -691,7 +691,7 @@ def _fold(terms, L):
             terms[i] += terms[run * L + i]
 
 
-@_jit()
+@kernel_jit()
 def _rescale(dots, offset, lane_sum, scale, x_scale, terms, R, out, t, first):
     """out[t, first + r] = sum over units v of fp32(dot_i) * (scale[i] * x_scale[i]), i = v*R + r, for
     the R rows of a group (x_scale per lane: the unit's activation scale, repeated for the R rows), where
@@ -709,7 +709,7 @@ def _rescale(dots, offset, lane_sum, scale, x_scale, terms, R, out, t, first):
         row[first + r] = terms[r]
 
 
-@_jit()
+@kernel_jit()
 def _w4a8_bytes(codes, scale, x, x_scale, R, out, lo, hi):
     """Levels in the int8 range, one a byte (trellis): codes int8 [G, unit * L]; x int16 [T, unit * L];
     x_scale fp32 [T, L] as in _rescale.
@@ -732,7 +732,7 @@ def _w4a8_bytes(codes, scale, x, x_scale, R, out, lo, hi):
             _rescale(terms32[:L], np.int32(0), terms32[:L], group_scale, x_scale[t], terms, R, out, t, g * R)  # no stored offset
 
 
-@_jit()
+@kernel_jit()
 def _quad_tail(plane, x, x_at, quads, dots):
     """What quad_columns leaves: dots[c] for the lanes past the last whole column, the same sums in
     loops (plane uint8 read as unsigned, or int8)."""
@@ -746,7 +746,7 @@ def _quad_tail(plane, x, x_at, quads, dots):
         dots[c] = total
 
 
-@_jit()
+@kernel_jit()
 def _w4a8_byte_quads(codes, scale, x, x_scale, lane_sum, R, out, lo, hi):
     """_w4a8_bytes with quad_columns. codes uint8 [G, unit/4 * L * 4]: level + QUAD_BIAS at byte
     (p, lane, s) for position 4p + s; x int8 [T, unit/4 * L * 4] likewise; lane_sum int32 [T, L]
@@ -769,7 +769,7 @@ ROWS = 16  # weight rows a RowPlanes group holds: one vpdpbusd's int32 lanes (tw
 ROWS_TILE = 8 if QUAD_FAMILY == "vnni" else 2
 
 
-@_jit(inline="always")
+@kernel_jit(inline="always")
 def _rows_minimum(minimum, g, x_sum, x_scale, out, T, rows, total):
     """For RowPlanes with a minimum (Q4_K, Q5_K; [G, 0] else): out[t, 16 g + r] -= the sum over units v,
     in order, of (fp32(x_sum[t, v]) * x_scale[t, v]) * minimum[g, v * 16 + r]; total fp32 [16] is
@@ -786,7 +786,7 @@ def _rows_minimum(minimum, g, x_sum, x_scale, out, T, rows, total):
             out[t, g * ROWS + r] -= total[r]
 
 
-@_jit()
+@kernel_jit()
 def _w4a8_rows(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
     """W4 and GGUF blocks on w4a8 through rows_tile (int8_dot_kernels' "vnni" or "avx2"): groups [lo, hi)
     of RowPlanes' codes, scale [G, U * 16] (fp32, or the blocks' f16 bits) and minimum (_rows_minimum)
@@ -818,7 +818,7 @@ def _w4a8_rows(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
         _rows_minimum(minimum, g, x_sum, x_scale, out, T, rows, total)
 
 
-@_jit()
+@kernel_jit()
 def _w4a8_rows_loops(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
     """_w4a8_rows in plain loops (the "generic" family), the same numbers in the same order: per
     token row t and weight row n = 16 g + r, total = 0, then for each unit v in order total +=
@@ -855,7 +855,7 @@ def _w4a8_rows_loops(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
         _rows_minimum(minimum, g, x_sum, x_scale, out, T, min(ROWS, N - g * ROWS), unit_total)
 
 
-@_jit()
+@kernel_jit()
 def _w4a16_nibbles(codes, scale, x, units, out, lo, hi):
     """W4 on w4a16: codes uint8 [G, 32, L, 2], byte (p, lane, s) holding positions 2p + s (low nibble)
     and 64 + 2p + s (high) as level + 8, with `units` 128-input units (groups) a row; x fp32 [T, 128, L], bf16-rounded; scale fp32 [G, L]. Per group an fp32 sum over positions
@@ -887,7 +887,7 @@ def _w4a16_nibbles(codes, scale, x, units, out, lo, hi):
                 out[t, g * R + r] = acc[r]
 
 
-@_jit()
+@kernel_jit()
 def _int8_units(x, unit, q, x_scale, unit_sum, lo, hi):
     """The w4a8 route's activations in one pass (quantize_int8_blocks in numpy took ~30 us a call,
     110 calls a 0.8B step): x fp32 [T, K] -> q int8 [T, K], each input's level where the input is;
@@ -934,7 +934,7 @@ if _numba:
         return lambda w: w
 
 
-@_jit(fastmath=True)
+@kernel_jit(fastmath=True)
 def _dense_groups(weight, x, out, lo, hi):
     """Weight [N, K] (fp32, or bf16 bits: weight_value) against fp32 x [T, K], groups [lo, hi) of
     DENSE_GROUP weight rows. fastmath lets LLVM split each dot into vector lanes; the split is fixed
@@ -962,13 +962,13 @@ def _dense_groups(weight, x, out, lo, hi):
                     out[t, row] = acc
 
 
-@_jit(fastmath=True)
+@kernel_jit(fastmath=True)
 def _dense(weight, x, out, lo, hi):
     """fp32 weight [N, K]: _dense_groups."""
     _dense_groups(weight, x, out, lo, hi)
 
 
-@_jit(fastmath=True)
+@kernel_jit(fastmath=True)
 def _dense_bf16(bits, x, out, lo, hi):
     """bf16 weight bits [N, K]: _dense_groups, reading 2 bytes a weight; the same dot loops, so the
     same bits as _dense on the widened matrix."""
@@ -985,7 +985,7 @@ def _dense_rows(kernel, weight: np.ndarray, x: np.ndarray) -> np.ndarray:
     return out
 
 
-@_jit()
+@kernel_jit()
 def _bf16_lanes(lanes, x, out, lo, hi):
     """bf16 weight lanes [B, K, 32] (B even) against fp32 x [T, K] into out [T, B * 32], pairs of
     blocks of 32 weight rows [lo, hi), through _bf16_tile's tiles (AVX-512 CPUs: bf16_dot_kernels).
@@ -1019,7 +1019,7 @@ def _bf16_lanes(lanes, x, out, lo, hi):
             _tile_6x2(lanes, x, out, b, t)
 
 
-@_jit()
+@kernel_jit()
 def _w4a16_lanes(nibbles, scales, x, out, lo, hi):
     """W4 nibble lanes [B, K, 16] with scales [B, K / 128, 32] against bf16-rounded fp32 x [T, K] into
     out [T, >= B * 32], blocks [lo, hi) of 32 weight rows, through _w4a16_tile's tiles (AVX-512 CPUs:
@@ -1052,7 +1052,7 @@ def _w4a16_lanes(nibbles, scales, x, out, lo, hi):
             t += 1
 
 
-@_jit()
+@kernel_jit()
 def _widen_bf16(bits, wide):
     """wide[:rows] = bf16 bits [rows, K] moved to the top half of uint32s: the fp32 values, exactly
     (numpy's two-pass widening took ~40% of a bf16 prefill's products)."""
@@ -1061,7 +1061,7 @@ def _widen_bf16(bits, wide):
             wide[r, k] = np.uint32(bits[r, k]) << np.uint32(16)
 
 
-@_jit()
+@kernel_jit()
 def delta_rule_rows(S, q, k, v, beta, log_decay, states, out, lo, hi):
     """Gated DeltaNet's recurrence row by row (REFERENCE.md section 1), fused: per head and row
     S' = e^g S; u = beta (v - S'^T k); S' += k u^T; o = S'^T q, in one pass over S and one over S'.
@@ -1092,7 +1092,7 @@ def delta_rule_rows(S, q, k, v, beta, log_decay, states, out, lo, hi):
                     o[j] += after[i, j] * q[t, h, i]
 
 
-@_jit(fastmath=True)
+@kernel_jit(fastmath=True)
 def deltanet_heads(mixed, z, b, a, decay_rate, dt_bias, norm, eps, per_key, S, states, out, lo, hi):
     """Gated DeltaNet after the conv, for T <= 16 rows, every step per value head fused (numpy's
     cpu_ops.CpuOps.deltanet runs ~20 array ops a layer here: ~0.5 ms of a 0.8B decode step's layer):
@@ -1142,7 +1142,7 @@ def deltanet_heads(mixed, z, b, a, decay_rate, dt_bias, norm, eps, per_key, S, s
 # every row runs the same loop whatever T is, so a verify row keeps its decode step's bits.
 
 
-@_jit(fastmath=True, inline="always")  # inlined in numba's IR: its callers pass rows of other layouts
+@kernel_jit(fastmath=True, inline="always")  # inlined in numba's IR: its callers pass rows of other layouts
 def _rms_norm_row(x, weight, eps, out):
     """out = x * rsqrt(mean(x^2) + eps) * weight for one row x [D]; weight [D]."""
     D = x.shape[0]
@@ -1154,14 +1154,14 @@ def _rms_norm_row(x, weight, eps, out):
         out[d] = x[d] * scale * weight[d]
 
 
-@_jit(fastmath=True)
+@kernel_jit(fastmath=True)
 def rms_norm_rows(x, weight, eps, out):
     """out[m] = x[m] * rsqrt(mean(x[m]^2) + eps) * weight for the rows of x [M, D]; weight [D]."""
     for m in range(x.shape[0]):
         _rms_norm_row(x[m], weight, eps, out[m])
 
 
-@_jit(fastmath=True)
+@kernel_jit(fastmath=True)
 def add_rms_norm_rows(x, delta, weight, eps, total, out):
     """total = x + delta, then rms_norm_rows of it into out: a decoder layer's residual add and the
     norm after it in one pass. x, delta, total, out [M, D]; weight [D]."""
@@ -1172,7 +1172,7 @@ def add_rms_norm_rows(x, delta, weight, eps, total, out):
     rms_norm_rows(total, weight, eps, out)
 
 
-@_jit(fastmath=True, inline="always")  # inlined in numba's IR: q and k heads are views of other layouts
+@kernel_jit(fastmath=True, inline="always")  # inlined in numba's IR: q and k heads are views of other layouts
 def _norm_rope_head(x, weight, eps, position, inv_freq, out):
     """One head x [hd] normed into out [hd]: x * rsqrt(mean(x^2) + eps) * weight (the zero-centred
     norm's 1 + w), then NeoX rotate-half on pairs (i, i + half), i < half = len(inv_freq), by the
@@ -1188,7 +1188,7 @@ def _norm_rope_head(x, weight, eps, position, inv_freq, out):
         out[i + half] = second * cos + first * sin
 
 
-@_jit(fastmath=True)
+@kernel_jit(fastmath=True)
 def qk_norm_rope_rows(qkv, first, q_norm, k_norm, eps, start, inv_freq, q, k):
     """Gated attention's queries and keys for the rows of a decode or verify pass, normed and rotated
     in one pass (numpy's two norms, rope_tables and two apply_rope took ~25 us a layer), from the
@@ -1207,7 +1207,7 @@ def qk_norm_rope_rows(qkv, first, q_norm, k_norm, eps, start, inv_freq, q, k):
             _norm_rope_head(keys[j * hd : (j + 1) * hd], k_norm, eps, start + t, inv_freq, k[j, t])
 
 
-@_jit(fastmath=True)
+@kernel_jit(fastmath=True)
 def swiglu_rows(gate_up, out, lo, hi):
     """out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate features, then up features), token
     rows [lo, hi): a verify pass's few rows, or a prefill's, split between the cores (the gate/up
@@ -1220,7 +1220,7 @@ def swiglu_rows(gate_up, out, lo, hi):
             o[i] = gate[i] / (np.float32(1) + exp_f32(-gate[i])) * up[i]
 
 
-@_jit(fastmath=True)
+@kernel_jit(fastmath=True)
 def attend_rows(q, keys, values, past, gates, out):
     """Causal GQA for a decode or verify pass, as cpu_ops.attend, gated: q [T, heads, hd] at
     positions past, past + 1, ...; keys, values [kv, >= past + T, hd]; gates [T, >= heads * 2 hd],
@@ -1259,7 +1259,7 @@ def attend_rows(q, keys, values, past, gates, out):
                 o[d] = o[d] / (np.float32(1) + exp_f32(-gate[d]))
 
 
-@_jit(fastmath=True)
+@kernel_jit(fastmath=True)
 def conv_rows(window, taps_by_lag, out):
     """Depthwise causal conv then SiLU over the T rows after the window's first K - 1: window
     [K - 1 + T, C] (the conv state's rows, then the new rows), taps_by_lag [K, C], out [T, C]; tap j
@@ -1581,7 +1581,7 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
     return RowPlanes(codes, scale, minimum, N, nibbles, unit)
 
 
-@_jit()
+@kernel_jit()
 def _blocks_to_rows(raw, codes, scale, first, last, flip, fill):
     """Q4_0 or Q8_0 blocks [N, U * (2 + payload)] (bytes: f16 scale, then the payload: Q4_0's byte j
     holding positions j and j + 16 as nibble + 8, Q8_0's byte j position j) -> RowPlanes codes and
