@@ -38,6 +38,9 @@ DECAY_FLOOR = -30.0
 # at one row). With numba's threads (a region starts in 2-5 us) 2^14 gave the demo's verify passes
 # nothing either (`duet bench spec --temperature 0`, MTP 1.30x both ways).
 DELTANET_SPLIT_MIN = 1 << 17
+# attend_rows splits its KV heads between the cores from this many query-key products (rows x query
+# heads x keys x head dim): ~30 us of work, against a split's ~5 us.
+ATTEND_SPLIT_MIN = 1 << 18
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -477,12 +480,16 @@ class CpuOps:
         cache.append(k, v)
         out = np.empty((T - first, q.shape[1] * hd), np.float32)
         gates = qkv[first:]
+        kv_heads = k.shape[0]
         if type(cache).rows is KVCache.rows:  # rows are prefixes of its buffers: each row reads up to its own position
-            compiled.attend_rows(q, cache.keys, cache.values, past + first, gates, out)
+            split = (T - first) * q.shape[1] * (past + T) * hd >= ATTEND_SPLIT_MIN
+            compiled.split_kernel(compiled.attend_rows, (q, cache.keys, cache.values, past + first, gates, out), kv_heads, split)
         else:  # q4: a row reads what its decode step would (the window of exact recent rows moves with its position)
             for i, t in enumerate(range(first, T)):
                 keys, values = (np.ascontiguousarray(rows, dtype=np.float32) for rows in cache.rows(past + t + 1))
-                compiled.attend_rows(q[i : i + 1], keys, values, past + t, gates[i : i + 1], out[i : i + 1])
+                split = q.shape[1] * (past + t + 1) * hd >= ATTEND_SPLIT_MIN
+                compiled.split_kernel(compiled.attend_rows, (q[i : i + 1], keys, values, past + t, gates[i : i + 1], out[i : i + 1]),
+                                      kv_heads, split)
         return out
 
     def deltanet(self, layer, x: np.ndarray, state: DeltaNetState, start: int) -> np.ndarray:

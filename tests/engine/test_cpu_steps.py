@@ -195,23 +195,27 @@ def test_a_verify_rows_conv_has_each_rows_decode_bits_and_rolls_forward_the_stat
     np.testing.assert_array_equal(together.conv, mixed[-(K - 1) :])
 
 
-def test_attend_rows_within_the_bound_of_float64_softmax_attention():
+@pytest.mark.parametrize("past", [15, 150])  # within one block of keys (64 of head dim 64), and across three
+def test_attend_rows_within_the_bound_of_float64_softmax_attention(past):
     """compiled.attend_rows against gated softmax attention in float64, each row over its own keys,
     with grouped query heads, the gates read from the stacked projection's rows; a row alone gives
-    the bits it gets among others. Bound: a score's dot of hd terms errs by at most hd U sum|q_d k_d|
-    (scaled); softmax turns score errors of at most e into weight errors of at most 2e relative; the
-    weighted sum of n values adds n U; exp adds 4 U; the gate (an exp, a sum, a division) 7 U more."""
+    the bits it gets among others, and the KV heads split between threads the bits of one run. Bound:
+    a score's dot of hd terms errs by at most hd U sum|q_d k_d| (scaled); softmax turns score errors
+    of at most e into weight errors of at most 2e relative; the weighted sum of n values adds n U; exp
+    adds 4 U; the gate (an exp, a sum, a division) 7 U more."""
     rng = np.random.default_rng(7)
-    T, heads, kv, hd, past = 5, 4, 2, 64, 15
+    T, heads, kv, hd = 5, 4, 2, 64
     q = rng.standard_normal((T, heads, hd)).astype(np.float32)
     keys = rng.standard_normal((kv, past + T + 3, hd)).astype(np.float32)  # rows past the last query unread
     values = rng.standard_normal((kv, past + T + 3, hd)).astype(np.float32)
     gates = (rng.standard_normal((T, heads * 2 * hd + 2 * kv * hd)) * 3).astype(np.float32)
-    got = np.empty((T, heads * hd), np.float32)
-    compiled.attend_rows(q, keys, values, past, gates, got)
+    got, split = np.empty((T, heads * hd), np.float32), np.empty((T, heads * hd), np.float32)
+    compiled.attend_rows(q, keys, values, past, gates, got, 0, kv)
+    compiled.split_kernel(compiled.attend_rows, (q, keys, values, past, gates, split), kv)
+    np.testing.assert_array_equal(split, got)
     for t in range(T):
         alone = np.empty((1, heads * hd), np.float32)
-        compiled.attend_rows(q[t : t + 1], keys, values, past + t, gates[t : t + 1], alone)
+        compiled.attend_rows(q[t : t + 1], keys, values, past + t, gates[t : t + 1], alone, 0, kv)
         np.testing.assert_array_equal(alone[0], got[t])
     scale = hd**-0.5
     for t in range(T):
