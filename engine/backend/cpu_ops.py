@@ -18,7 +18,7 @@ import numpy as np
 
 from duet.engine.backend import MAX_ROWS, compiled, compiled_sampling, cpu
 from duet.engine.backend.threads import in_parallel, one_blas_thread
-from duet.engine.cache import DeltaNetState, KVCache, Q4KVCache, SequenceState
+from duet.engine.cache import RECENT_ROWS, DeltaNetState, KVCache, Q4KVCache, SequenceState
 from duet.engine.heads import ShortlistHead
 from duet.engine.sampling import candidate_rows
 from duet.engine.weights import take_rows
@@ -484,12 +484,14 @@ class CpuOps:
         if type(cache).rows is KVCache.rows:  # rows are prefixes of its buffers: each row reads up to its own position
             split = (T - first) * q.shape[1] * (past + T) * hd >= ATTEND_SPLIT_MIN
             compiled.split_kernel(compiled.attend_rows, (q, cache.keys, cache.values, past + first, gates, out), kv_heads, split)
-        else:  # q4: a row reads what its decode step would (the window of exact recent rows moves with its position)
+        elif type(cache) is Q4KVCache:  # a row reads what its decode step would (the window of exact rows moves with it)
+            split = (T - first) * q.shape[1] * (past + T) * hd >= ATTEND_SPLIT_MIN
+            compiled.split_kernel(compiled.attend_q4_rows, (q, cache.codes.view(np.uint16)[..., 0], cache.scales.view(np.uint16), cache.sink, cache.ring,
+                                                            cache.hadamard, cache.signs, RECENT_ROWS, past + first, gates, out), kv_heads, split)
+        else:  # any other cache: each row over the rows(end) its decode step would read
             for i, t in enumerate(range(first, T)):
                 keys, values = (np.ascontiguousarray(rows, dtype=np.float32) for rows in cache.rows(past + t + 1))
-                split = q.shape[1] * (past + t + 1) * hd >= ATTEND_SPLIT_MIN
-                compiled.split_kernel(compiled.attend_rows, (q[i : i + 1], keys, values, past + t, gates[i : i + 1], out[i : i + 1]),
-                                      kv_heads, split)
+                compiled.attend_rows(q[i : i + 1], keys, values, past + t, gates[i : i + 1], out[i : i + 1], 0, kv_heads)
         return out
 
     def deltanet(self, layer, x: np.ndarray, state: DeltaNetState, start: int) -> np.ndarray:

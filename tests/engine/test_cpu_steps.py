@@ -16,7 +16,7 @@ import pytest
 
 from duet.engine.backend import compiled
 from duet.engine.backend.cpu_ops import CpuOps
-from duet.engine.cache import DeltaNetState
+from duet.engine.cache import RECENT_ROWS, DeltaNetState, Q4KVCache
 
 U = 2.0**-24
 
@@ -193,6 +193,50 @@ def test_a_verify_rows_conv_has_each_rows_decode_bits_and_rolls_forward_the_stat
     np.testing.assert_array_equal(all_rows, one_by_one)
     np.testing.assert_array_equal(together.conv, stepped.conv)
     np.testing.assert_array_equal(together.conv, mixed[-(K - 1) :])
+
+
+@pytest.mark.parametrize("past", [2, 60, 200])  # sink and exact rows only; some rows coded for the later verify rows; most coded
+def test_attend_q4_rows_reads_what_each_rows_decode_step_would(past):
+    """compiled.attend_q4_rows against gated softmax attention in float64 over Q4KVCache.rows(end) of
+    each row's own end (the sink, the codes rotated back, the exact recent window that moves with the
+    row): within the attend_rows bound with the two rotation products (hd terms each, on the query
+    and on the coded values' sum) counted in; a row alone and the KV heads split give the same bits."""
+    rng = np.random.default_rng(11)
+    T, heads, kv, hd = 5, 4, 2, 64
+    cache = Q4KVCache(kv, hd)
+    for start in range(0, past + T, 7):  # appended a few rows at a time, as decode and verify passes do
+        n = min(7, past + T - start)
+        cache.append(rng.standard_normal((kv, n, hd)).astype(np.float32), rng.standard_normal((kv, n, hd)).astype(np.float32))
+    q = rng.standard_normal((T, heads, hd)).astype(np.float32)
+    gates = (rng.standard_normal((T, heads * 2 * hd)) * 3).astype(np.float32)
+
+    def attend(rows, at, first=0):
+        got = np.empty((rows.shape[0], heads * hd), np.float32)
+        args = (rows, cache.codes.view(np.uint16)[..., 0], cache.scales.view(np.uint16), cache.sink, cache.ring, cache.hadamard, cache.signs,
+                RECENT_ROWS, at, gates[first : first + rows.shape[0]], got)
+        return got, args
+
+    got, args = attend(q, past)
+    compiled.attend_q4_rows(*args, 0, kv)
+    split, split_args = attend(q, past)
+    compiled.split_kernel(compiled.attend_q4_rows, split_args, kv)
+    np.testing.assert_array_equal(split, got)
+    scale = hd**-0.5
+    for t in range(T):
+        alone, alone_args = attend(q[t : t + 1], past + t, t)
+        compiled.attend_q4_rows(*alone_args, 0, kv)
+        np.testing.assert_array_equal(alone[0], got[t])
+        keys, values = cache.rows(past + t + 1)
+        for h in range(heads):
+            k64, v64, q64 = keys[h // 2].astype(np.float64), values[h // 2].astype(np.float64), q[t, h].astype(np.float64)
+            scores = k64 @ q64 * scale
+            weights = np.exp(scores - scores.max())
+            weights /= weights.sum()
+            gate = 1 / (1 + np.exp(-gates[t, h * 2 * hd + hd : (h + 1) * 2 * hd].astype(np.float64)))
+            want = (weights @ v64) * gate
+            score_error = 3 * hd * U * (np.abs(k64) @ np.abs(q64)).max() * scale
+            bound = (2 * score_error + (len(k64) + 15 + 2 * hd) * U) * np.abs(v64).max()
+            np.testing.assert_array_less(np.abs(got[t, h * hd : (h + 1) * hd] - want), bound)
 
 
 @pytest.mark.parametrize("past", [15, 150])  # within one block of keys (64 of head dim 64), and across three
