@@ -1292,36 +1292,20 @@ def attend_rows(q, keys, values, past, gates, out, lo, hi):
                     o[d] = o[d] / (np.float32(1) + exp_f32(-gate[d]))
 
 
-# An fp16 number with exponent bits e is its 11-bit significand times F16_UNIT[e]: 2^(e - 25), and for
-# e = 0 (zero and subnormals, no implicit leading bit) 2^-24. Products of small integers and powers of
-# two: exact in fp32.
-F16_UNIT = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 32)], np.float32)
-
-
-@kernel_jit(inline="always")
-def _f16_value(bits):
-    """An fp16 scale's value from its bits (int32 of the uint16), exactly: zero, subnormal or normal
-    (a q4 KV scale is never an infinity or NaN)."""
-    exponent, mantissa = (bits >> 10) & 0x1F, bits & 0x3FF
-    magnitude = np.float32(mantissa | (0x400 if exponent else 0)) * F16_UNIT[exponent]
-    return -magnitude if bits & 0x8000 else magnitude
-
-
 @kernel_jit(fastmath=True, inline="always")
-def _q4_image(code_pairs, scale_bits, side, image, byte_scales):
+def _q4_image(code_pairs, scales, side, image, byte_scales):
     """A coded row's rotated image (engine/cache.py's Q4KVCache layout, its codes' key and value bytes
     read as one uint16 so that the loads are contiguous), its even elements first:
     image[i] = element 2i (byte i's low nibble), image[hd / 2 + i] = element 2i + 1 (its high nibble),
-    each less 8 times its group's fp16 scale; side 0 the key, 1 the value. A byte's two elements go to
-    two contiguous halves, not to stores two apart; the query and the value sums follow that order.
-    The scales are spread a byte each first (byte_scales [hd / 2]) so that one flat loop decodes the row:
-    loops of a group's 16 bytes took 2.3x as long."""
+    each less 8 times its group's scale (scales, fp32); side 0 the key, 1 the value. A byte's two
+    elements go to two contiguous halves, not to stores two apart; the query and the value sums follow
+    that order. The scales are spread a byte each (byte_scales [hd / 2]) so that one flat loop decodes
+    the row: loops of a group's 16 bytes took 2.3x as long."""
     half = image.shape[0] // 2
-    per_scale = half // scale_bits.shape[0]  # bytes a scale covers
-    for k in range(scale_bits.shape[0]):
-        scale = _f16_value(np.int32(scale_bits[k, side]))
+    per_scale = half // scales.shape[0]  # bytes a scale covers
+    for k in range(scales.shape[0]):
         for i in range(k * per_scale, (k + 1) * per_scale):
-            byte_scales[i] = scale
+            byte_scales[i] = scales[k]
     shift = 8 * side  # code_pairs[i]: byte i of the key, and above it byte i of the value
     low, high = image[:half], image[half:]
     for i in range(half):
@@ -1337,13 +1321,20 @@ def _even_first(d, half):
 
 
 @kernel_jit(fastmath=True)
-def _block_images(code_pairs, scale_bits, sink, ring, start, stop, past, T, exact_rows, side, plains, images, byte_scales):
+def _block_images(code_pairs, scale_bits, sink, ring, start, stop, past, T, exact_rows, side, plains, images, scratch):
     """Cache rows [start, stop)'s keys (side 0) or values (1) for attend_q4_rows, one row each in
     plains (as stored exact: sink or ring) where a row of the pass reads it exact, and in images
     (decoded) where one reads its codes. Row j is exact for the rows t < j + exact_rows - past (their
     window of exact rows reaches it) and always in the sink. Decoded once a block, a row then serves
-    every row and query head of the pass from L1."""
-    sink_rows = sink.shape[0]
+    every row and query head of the pass from L1; the block's fp16 scales are widened in one
+    unit_scales call (scratch: their bits, the widened values, _q4_image's byte_scales)."""
+    bits, widened, byte_scales = scratch
+    sink_rows, groups = sink.shape[0], scale_bits.shape[1]
+    for j in range(start, stop):
+        for k in range(groups):
+            bits[(j - start) * groups + k] = scale_bits[j, k, side]
+    n = (stop - start) * groups
+    scales = unit_scales(bits[:n], widened[:n])
     for j in range(start, stop):
         first = max(0, j - past)  # the first row of the pass that sees row j
         coded_from = T if j < sink_rows else max(first, min(T, j + exact_rows - past))
@@ -1351,7 +1342,7 @@ def _block_images(code_pairs, scale_bits, sink, ring, start, stop, past, T, exac
             stored = sink[j, :, side] if j < sink_rows else ring[j % ring.shape[0], :, side]
             plains[j - start, :] = stored
         if coded_from < T:
-            _q4_image(code_pairs[j], scale_bits[j], side, images[j - start], byte_scales)
+            _q4_image(code_pairs[j], scales[(j - start) * groups : (j - start + 1) * groups], side, images[j - start], byte_scales)
 
 
 @kernel_jit(fastmath=True)
@@ -1368,8 +1359,8 @@ def attend_q4_rows(q, code_pairs, scale_bits, sink, ring, hadamard, signs, exact
     The same sums in another rounding than rotating each row back: within the bound of the rotation's
     products, and a row's bits do not depend on the rows beside it. Every coded row is decoded once a
     pass for every row and query head that reads it: a Q4KVCache.rows call a row decoded and rotated
-    back the whole history (0.3 s a token at 4,096 tokens of the 0.8B geometry with 8 layers, 19 ms
-    now, 16 with the bf16 cache). A layer's 4,096 coded keys on one core: 2.7 ms, 1.3 for the same keys
+    back the whole history (0.3 s a token at 4,096 tokens of the 0.8B geometry with 8 layers, 17 ms
+    now, 16 with the bf16 cache). A layer's 4,096 coded keys on one core: 2.6 ms, 1.5 for the same keys
     in fp32 (decoding is most of the difference)."""
     T, heads, hd = q.shape
     group = heads // code_pairs.shape[0]
@@ -1383,7 +1374,8 @@ def attend_q4_rows(q, code_pairs, scale_bits, sink, ring, hadamard, signs, exact
     mass = np.empty(T * group, np.float32)
     block = max(1, ATTEND_BLOCK_BYTES // (4 * hd))
     plains, images = np.empty((block, hd), np.float32), np.empty((block, hd), np.float32)  # a block's rows exact, and coded
-    byte_scales = np.empty(hd // 2, np.float32)
+    groups = block * scale_bits.shape[2]  # scales in a block of rows
+    scratch = np.empty(groups, np.uint16), np.empty(groups, np.uint32), np.empty(hd // 2, np.float32)  # _block_images'
     for g in range(lo, hi):
         codes_g, scales_g, sink_g, ring_g = code_pairs[g], scale_bits[g], sink[g], ring[g]
         for t in range(T):
@@ -1398,7 +1390,7 @@ def attend_q4_rows(q, code_pairs, scale_bits, sink, ring, hadamard, signs, exact
         top[:] = -np.inf
         for start in range(0, past + T, block):
             stop = min(start + block, past + T)
-            _block_images(codes_g, scales_g, sink_g, ring_g, start, stop, past, T, exact_rows, 0, plains, images, byte_scales)
+            _block_images(codes_g, scales_g, sink_g, ring_g, start, stop, past, T, exact_rows, 0, plains, images, scratch)
             for t in range(max(0, start - past), T):  # the rows that see the block's first key
                 for a in range(group):
                     r = t * group + a
@@ -1427,7 +1419,7 @@ def attend_q4_rows(q, code_pairs, scale_bits, sink, ring, hadamard, signs, exact
         coded_sum[:] = 0
         for start in range(0, past + T, block):
             stop = min(start + block, past + T)
-            _block_images(codes_g, scales_g, sink_g, ring_g, start, stop, past, T, exact_rows, 1, plains, images, byte_scales)
+            _block_images(codes_g, scales_g, sink_g, ring_g, start, stop, past, T, exact_rows, 1, plains, images, scratch)
             for t in range(max(0, start - past), T):
                 for a in range(group):
                     r = t * group + a
