@@ -142,7 +142,7 @@ def _bill_lines(h: CheckpointHeaders, r: Assessment) -> list[str]:
         lines += [
             _row(f"MTP drafting: {s.depth} x (MTP layer + {shortlist_rows(c.vocab_size):,}-row shortlist head)", b.drafting),
             _row(f"MTP KV cache, {s.depth} x {c.mtp_num_hidden_layers if b.drafting else 0} layer", b.drafting_kv),
-            _row(f"rollback snapshots: {s.depth} more DeltaNet and conv states written", b.snapshots),
+            _row("rollback record: the DeltaNet state before the verify, each row's inputs", b.rollback),
             _row("= one cycle", b.total),
         ]
     lines.append("  not read:")

@@ -5,10 +5,10 @@ read and nothing is allocated. Two products:
 
 - the bill of bytes of one cycle (REFERENCE.md sections 5 and 6): the decoder weights by kind, the
   lm_head, the DeltaNet and conv state read and written, the KV cache read at a context, and, with
-  `depth` drafts, the MTP head run `depth` times plus the state snapshots a rollback needs. It is the
+  `depth` drafts, the MTP head run `depth` times plus what the verify records for a rollback. It is the
   G of the ceiling tok/s <= eta * B / G * tau and the denominator of every GPU benchmark;
 - the memory plan for a card: weights, KV cache at a context for a KV type, DeltaNet and conv state
-  with a snapshot per verify row, workspace, with the bf16 tables on the card or in host memory, and
+  with what a rollback replays, workspace, with the bf16 tables on the card or in host memory, and
   the longest context that fits for each KV type.
 
 Flash-Next (qwen4_exp): its hyper-connections and PLE projections are decoder weights; its n-gram
@@ -278,6 +278,15 @@ def deltanet_state_bytes(c: ModelConfig) -> int:
     return layers * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * STATE_BYTES
 
 
+def rollback_bytes(c: ModelConfig, rows: int) -> int:
+    """What a verify of `rows` rows records on the card for a rollback to any row (deltanet.cu): every
+    DeltaNet layer's state before it and, a row and value head, its k | v | beta | e^g. (The conv history
+    is a ring of positions: no copy.) A rollback replays the kept rows from them."""
+    layers = c.layer_types.count(LINEAR_ATTENTION)
+    row = layers * c.linear_num_value_heads * (c.linear_key_head_dim + c.linear_value_head_dim + 2) * STATE_BYTES
+    return deltanet_state_bytes(c) + rows * row
+
+
 def conv_state_bytes(c: ModelConfig) -> int:
     """One copy of every DeltaNet layer's conv history: the last kernel - 1 inputs of the qkv channels;
     and Flash-Next's PLE conv history: (kernel - 1) x dilation rows of the hc streams."""
@@ -368,7 +377,7 @@ class Bill:
     kv_cache: int  # the attention layers' KV at `context`
     drafting: int  # depth x (MTP layer + shortlist head)
     drafting_kv: int  # depth x the MTP layer's KV at `context`
-    snapshots: int  # DeltaNet and conv state written after each extra verify row, for rollback
+    rollback: int  # what a verify of more than one row records for a rollback (rollback_bytes)
     not_read: dict[str, int]  # what a cycle leaves untouched
 
     @property
@@ -382,7 +391,7 @@ class Bill:
 
     @property
     def total(self) -> int:
-        return self.verify_pass + self.drafting + self.drafting_kv + self.snapshots
+        return self.verify_pass + self.drafting + self.drafting_kv + self.rollback
 
 
 def routed_share(c: ModelConfig, rows: int) -> float:
@@ -409,7 +418,7 @@ def bill_of_bytes(weights: Weights, c: ModelConfig, context: int = 0, kv: str = 
         kv_cache=kv_read_bytes(c, kv, context, attention_layers(c), rows),
         drafting=depth * draft_step,
         drafting_kv=depth * kv_read_bytes(c, kv, context, drafters),
-        snapshots=depth * (state + conv),
+        rollback=rollback_bytes(c, rows) if depth else 0,
         not_read=_not_read(weights, c, rows, drafters),
     )
 
@@ -476,15 +485,14 @@ def memory_plan(weights: Weights, c: ModelConfig, card: Card, context: int, kv: 
 def _fixed_parts(weights: Weights, c: ModelConfig, kv: str, host_tables: bool, depth: int) -> dict[str, int]:
     """Everything on the card except the KV cache and the routed experts."""
     drafters = drafting_layers(weights, c, depth)
-    copies = 1 if depth == 0 else depth + 2  # current state, and one snapshot per verify row
-    copies += kv == KVCache.BF16  # a chat's checkpoint where the reply's turn starts (engine.generate.PromptCache)
+    copies = 1 + (kv == KVCache.BF16)  # the state, and a chat's checkpoint where the reply's turn starts (engine.generate.PromptCache)
     parts = {
         "decoder weights": sum(v for k, v in weights.decoder.items() if k != EXPERTS),
         "lm_head": weights.head_held,
         "embedding": weights.embedding - (_host_tables(weights).get("embedding", 0) if host_tables else 0),
         "bf16 rescoring head": 0 if host_tables else weights.rescoring_head,
         "MTP head and draft shortlist": weights.mtp + weights.mtp_experts + weights.shortlist if drafters else 0,
-        "DeltaNet and conv state": copies * (deltanet_state_bytes(c) + conv_state_bytes(c)),
+        "DeltaNet and conv state": copies * (deltanet_state_bytes(c) + conv_state_bytes(c)) + rollback_bytes(c, MAX_ROWS),
         "workspace": workspace_bytes(c, 1 + depth),
         "runtime reserve": RUNTIME_RESERVE,
     }

@@ -13,7 +13,7 @@ said in the output) on the GPU model (engine/backend/cupy_model.py), a context o
 prefilled, then a verify pass of 1 to 16 rows: uncaptured, and replayed as a CUDA graph. Its
 limit is the bill of bytes (engine/placement.py, from the model's tensor headers as `duet models
 info` computes it: the W4 decoder and int4 head, the DeltaNet and conv state read and written,
-the KV cache at the context, the state snapshots of the extra rows) over the copy bandwidth.
+the KV cache at the context, what a verify of several rows records for a rollback) over the copy bandwidth.
 DeltaNet's in_proj is stacked as the assembler stacks a W4 checkpoint's (qkv | z in W4, in_proj_b | a
 in bf16, multiplied in the DeltaNet launch); the bill's bf16 rescoring rows are not read (this head
 is the int4 one alone).
@@ -174,7 +174,7 @@ def tensor_shapes(c) -> dict[str, tuple[int, ...]]:
 
 def cycle_bill(c, rows: int) -> int:
     """Bytes of one verify pass of `rows` rows at CONTEXT (engine.placement, from bf16 headers planned
-    as the W4 repack): the pass, plus the state snapshots of the rows after the first."""
+    as the W4 repack): the pass, plus what a pass of several rows records for a rollback."""
     from duet.engine.checkpoint.headers import CheckpointHeaders
     from duet.engine.checkpoint.safetensors import TensorInfo
     from duet.engine.placement import bill_of_bytes, weights_of
@@ -182,7 +182,7 @@ def cycle_bill(c, rows: int) -> int:
     tensors = {name: TensorInfo(name, "BF16", shape, 0, 2 * int(np.prod(shape))) for name, shape in tensor_shapes(c).items()}
     headers = CheckpointHeaders("random INT4, 27B geometry", "safetensors", c, tensors, (), 0)
     bill = bill_of_bytes(weights_of(headers, w4=True), c, CONTEXT, KVCache.BF16, depth=rows - 1)
-    return bill.verify_pass + bill.snapshots
+    return bill.verify_pass + bill.rollback
 
 
 def random_device_model(c, route: str, seed: int = 0):

@@ -186,12 +186,16 @@ def delta_rule_rows(q, k, v, beta, log_decay, state: DeltaNetState) -> np.ndarra
 
 def delta_rule_step(q, k, v, beta, log_decay, state: DeltaNetState) -> np.ndarray:
     """One token: S = e^g S; u = beta (v - S^T k); S += k u^T; o = S^T q. q,k [Hv,dk], v [Hv,dv]."""
-    S = state.recurrent * np.exp(log_decay)[:, None, None]
+    state.recurrent = delta_update(state.recurrent, np.exp(log_decay), k, v, beta)
+    return np.einsum("hkv,hk->hv", state.recurrent, q)
+
+
+def delta_update(S, decay, k, v, beta) -> np.ndarray:
+    """The state after one token: e^g S + k u^T, u = beta (v - (e^g S)^T k); S [Hv, dk, dv], decay = e^g [Hv]."""
+    S = S * decay[:, None, None]
     predicted = np.einsum("hkv,hk->hv", S, k)
     update = (v - predicted) * beta[:, None]
-    S = S + k[:, :, None] * update[:, None, :]
-    state.recurrent = S
-    return np.einsum("hkv,hk->hv", S, q)
+    return S + k[:, :, None] * update[:, None, :]
 
 
 def delta_rule_chunked(q, k, v, beta, log_decay, S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -558,21 +558,27 @@ CONV_RING = 32  # deltanet.cu's: rows of a DeltaNet layer's conv history ring, >
 class DeltaNetState:
     """The conv's history as a ring of positions [CONV_RING, C] (deltanet.cu: a call reads the
     rows before its first position and writes its own, so a rollback needs no copy) and the recurrent
-    state [Hv, dk, dv] on the device, with the state after every row but the last of the last short
-    call for a rollback (engine.cache.DeltaNetState)."""
+    state [Hv, dk, dv] on the device, with what a rollback of the last short call replays: the state
+    before it (`prior`) and each row's inputs to the rule (`row_inputs` [MAX_ROWS, Hv, dk + dv + 2],
+    deltanet.cu's ROW_INPUTS) (engine.cache.DeltaNetState). A copy of the state after every row took
+    MAX_ROWS states: 2.4 GB at the 27B's 48 layers of 3 MB; this holds one."""
 
     def __init__(self, channels: int, kernel_size: int, value_heads: int, key_dim: int, value_dim: int):
         if kernel_size - 1 + MAX_ROWS > CONV_RING:
             raise ValueError(f"the GPU's DeltaNet conv takes up to {CONV_RING - MAX_ROWS + 1} taps, this model has {kernel_size}")
         self.ring = cp.zeros((CONV_RING, channels), cp.float32)
         self.recurrent = cp.zeros((value_heads, key_dim, value_dim), cp.float32)
-        self.row_states = cp.zeros((MAX_ROWS, value_heads, key_dim, value_dim), cp.float32)
+        self.prior = cp.zeros((value_heads, key_dim, value_dim), cp.float32)
+        self.row_inputs = cp.zeros((MAX_ROWS, value_heads, key_dim + value_dim + 2), cp.float32)
         self.arrivals = cp.zeros(value_heads, cp.int32)  # a head's column blocks done, 0 between launches
 
     def keep(self, rows: int) -> None:
-        """Make the state after the first `rows` rows of the last call, fewer than it ran, current (the
-        ring's rows past them are written again when their positions run again)."""
-        self.recurrent[...] = self.row_states[rows - 1]
+        """Make the state after the first `rows` rows of the last launch, fewer than it ran, current: the
+        state before it with those rows replayed (deltanet_keep; the ring's rows past them are written
+        again when their positions run again)."""
+        Hv, dk, dv = self.recurrent.shape
+        kernel("deltanet", f"deltanet_keep_dk{dk}")((Hv, dv // 32), (128,),
+                                                    (self.prior, self.row_inputs, self.recurrent, _i32(rows), _i32(Hv), _i32(dv)))
 
     def saved(self) -> tuple:
         """engine.cache.DeltaNetState.saved: the whole ring (the rows before any later position)."""
@@ -587,8 +593,8 @@ def deltanet(mixed, z, layer, Hk: int, dk: int, state: DeltaNetState, slices, ep
              forms: int = 0, b=None, a=None, ba_weight=None, x=None) -> cp.ndarray | Activations:
     """Gated DeltaNet's core for a call's rows, a launch a slice of <= 16 rows (slices: (rows, start)
     pairs, start int32 [1] on the device: the position of the slice's first row): the causal conv, the
-    gated delta rule row by row (S after every row but the last kept in state.row_states) and the gated
-    norm, in one launch (deltanet.cu).
+    gated delta rule row by row (the last launch, when of more than one row, recording what state.keep
+    replays) and the gated norm, in one launch (deltanet.cu).
 
     mixed [T, 2 Hk dk + Hv dv]: in_proj's q | k | v columns before the conv; z [T, Hv dv]: both columns
     of wider rows, read in place. beta = sigmoid(b), g = decay_rate * softplus(a + dt_bias) from b, a
@@ -614,13 +620,15 @@ def deltanet(mixed, z, layer, Hk: int, dk: int, state: DeltaNetState, slices, ep
     taps, decay_rate, dt_bias, norm = (device_f32(v) for v in (layer.conv, layer.decay_rate, layer.dt_bias, layer.norm))
     y = cp.empty((T, Hv * dv), cp.float32)
     emit, result = _emitted(y, forms)
-    for piece, start in slices:  # each slice writes its rows of y and of the forms it emits
+    for i, (piece, start) in enumerate(slices):  # each slice writes its rows of y and of the forms it emits
         t = piece.stop - piece.start
         o = cp.empty((t, Hv, dv), cp.float32)
+        record = t > 1 and i == len(slices) - 1  # what a rollback into the last launch replays
         kernel("deltanet", f"deltanet_rows_dk{dk}")(
             (Hv, dv // 32), (128,),
             (mixed[piece], taps, state.ring, start, b[piece], a[piece], ba_weight, x[piece] if K else x, _i32(K),
-             decay_rate, dt_bias, state.recurrent, state.row_states, o, z[piece], norm, _f32(eps), _i32(sigmoid), y[piece],
+             decay_rate, dt_bias, state.recurrent, _i32(record), state.prior, state.row_inputs, o, z[piece], norm,
+             _f32(eps), _i32(sigmoid), y[piece],
              *_emitted_rows(emit, piece), state.arrivals, _i32(t), _i32(Hk), _i32(Hv), _i32(dv), _i32(taps.shape[1]),
              _i64(in_stride), _f32(dk ** -0.5), _i64(ba_stride), _i64(z_stride)))
     return result

@@ -500,7 +500,7 @@ class GpuState:
     def keep(self, rows: int) -> None:
         """Roll back the last short call to its first `rows` rows (engine.cache.SequenceState.keep)."""
         end = self.length_before_last_call + rows
-        if end < self.length:  # with every row kept the states are current (no snapshot of the last row)
+        if end < self.length:  # with every row kept the states are current (nothing to replay)
             for cache in self.layers:
                 if not isinstance(cache, ATTENTION_CACHES):  # DeltaNet states (with a PLE's, engine.cache.WithPLE)
                     cache.keep(rows)

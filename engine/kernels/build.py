@@ -29,7 +29,7 @@ KERNELS = {
     "w4a8": ("quantize_int8_blocks", "rotate_quantize_int8", "trellis_gemv", "w4a8_mma_t8", "w4a8_mma_t16",
              *(f"int8_{kind}_{codec}_t{rows}" for kind in ("gemv", "swiglu") for codec in ("w4", "q8_0", "q4_0", "iq4_xs")
                for rows in (4, 16))),
-    "deltanet": ("deltanet_rows_dk32", "deltanet_rows_dk64", "deltanet_rows_dk128"),
+    "deltanet": tuple(f"deltanet_{kind}_dk{dk}" for kind in ("rows", "keep") for dk in (32, 64, 128)),
     "attention": tuple(f"attention_{kind}_hd{hd}" for hd in (64, 128, 256)
                        for kind in ("bf16", "partial_q4", "partial_exact"))
                  + tuple(f"sparse_attention_partial_{kind}_hd{hd}" for hd in (64, 128, 256) for kind in ("bf16", "q4", "exact"))

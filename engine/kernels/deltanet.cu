@@ -1,7 +1,7 @@
 // Gated DeltaNet for short calls (a decode step or a verify of 1 + k rows): the causal depthwise
-// conv and the recurrent rule token by token in one launch, keeping the state after every row so the
-// verify can roll back to any row (engine/model.py; engine/backend/cpu_ops.py causal_conv,
-// delta_rule_rows; engine/cache.py).
+// conv and the recurrent rule token by token in one launch, recording what a verify's rollback to any
+// row needs: the state before the launch and each row's inputs to the rule, which deltanet_keep replays
+// (engine/model.py; engine/backend/cpu_ops.py causal_conv, delta_rule_rows; engine/cache.py).
 #include "common.cuh"
 
 // ------------------------------------------------------------------------- causal conv ---
@@ -50,12 +50,16 @@ __device__ __forceinline__ void conv_to_ring(const float* __restrict__ mixed, fl
 // + t * ba_stride (in place from wider rows); or, with K > 0 (a W4 checkpoint keeps in_proj_b/a in
 // 16 bit), this launch makes them: ba_w [2 Hv, K] bf16 bits (b's rows, then a's) times x [T, K], the
 // layer's normed input, by two warps (bf16_gemv's row_dots and sums: the same bits, no launch of their
-// own). S [Hv, DK, DV] fp32, updated in place; snapshots [T - 1, Hv, DK, DV] receives S after every
-// row but the last (S itself: a rollback that keeps every row copies nothing); out [T, Hv, DV].
+// own). S [Hv, DK, DV] fp32, updated in place; out [T, Hv, DV]. With `record` (a call a verify may roll
+// back), prior [Hv, DK, DV] receives S as the launch found it and row_inputs [T, Hv, ROW_INPUTS(DK, DV)]
+// each row's k (normalised) | v | beta | e^g: one state and a few vectors a row, where a copy of S
+// after every row cost T - 1 states (3 MB a layer and row at the 27B's 48 heads of 128 x 128). A
+// rollback that keeps every row touches nothing; one to row n replays rows 0 .. n - 1 from prior
+// (deltanet_keep, the same delta_update: the same bits as this launch had there).
 //
 // A block owns 32 value columns of one head: thread (j = tid / 4, part = tid % 4) holds column j's
 // rows part, part + 4, ..., in registers for the whole call, so S is read once and written once
-// (plus the snapshots). The four parts of a column are adjacent lanes: S^T k and S^T q are two
+// (and prior once when recording). The four parts of a column are adjacent lanes: S^T k and S^T q are two
 // shuffles. For a fixed register the warp touches 4 rows x 8 consecutive columns: whole 32-byte
 // sectors. Each block convolves the channels it reads (a key head's q and k again in each of its
 // blocks: 2 DK x KW products a row); the first block of a key head's first value head writes q and k
@@ -90,12 +94,33 @@ __device__ __forceinline__ void gated_norm(const float* out, const float* __rest
   }
 }
 
+#define ROW_INPUTS(DK, DV) ((DK) + (DV) + 2)  // a row's recorded k | v | beta | e^g, a value head
+
+// One row of the rule on a thread's rows part, part + 4, ... of column j of S (s, in registers): S = e^g S;
+// u = beta (v - S^T k); S += k u^T. The four parts of a column are adjacent lanes. Both kernels below
+// run this code, so a replayed row has the bits the launch had.
+template <int R>
+__device__ __forceinline__ void delta_update(float (&s)[R], const float* k, int part, float decay, float beta, float v) {
+  float pred = 0.0f;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    s[i] *= decay;
+    pred += s[i] * k[part + 4 * i];
+  }
+  pred += __shfl_xor_sync(0xffffffffu, pred, 1);
+  pred += __shfl_xor_sync(0xffffffffu, pred, 2);
+  const float u = (v - pred) * beta;
+#pragma unroll
+  for (int i = 0; i < R; ++i) s[i] += k[part + 4 * i] * u;
+}
+
 template <int DK>
 __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __restrict__ taps, float* __restrict__ ring,
                               const int* __restrict__ start, const float* __restrict__ b, const float* __restrict__ a,
                               const u16* __restrict__ ba_w, const float* __restrict__ x, int K,
                               const float* __restrict__ decay_rate, const float* __restrict__ dt_bias,
-                              float* __restrict__ state, float* __restrict__ snapshots, float* __restrict__ out,
+                              float* __restrict__ state, int record, float* __restrict__ prior,
+                              float* __restrict__ row_inputs, float* __restrict__ out,
                               const float* __restrict__ z, const float* __restrict__ w, float eps, int sigmoid,
                               float* __restrict__ y, u16* y_bf16, signed char* y_q, float* y_scale, int forms,
                               int* __restrict__ arrivals, int T, int Hk, int Hv, int DV, int KW, long long in_stride,
@@ -128,6 +153,11 @@ __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __re
   float s[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) s[i] = S[(size_t)(part + 4 * i) * DV + col];
+  if (record) {
+    float* before = prior + (size_t)h * DK * DV;
+#pragma unroll
+    for (int i = 0; i < R; ++i) before[(size_t)(part + 4 * i) * DV + col] = s[i];
+  }
 
   for (int t = 0; t < T; ++t) {
     // this row's query and key, one element a thread (DK <= 128 = blockDim), normalised over the head;
@@ -143,29 +173,22 @@ __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __re
     __syncthreads();
     const float beta = sigmoid_f(K > 0 ? ba[0][t] : b[(size_t)t * ba_stride + h]);
     const float decay = expf(decay_rate[h] * softplus_f((K > 0 ? ba[1][t] : a[(size_t)t * ba_stride + h]) + dt_bias[h]));
-    float pred = 0.0f;
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      s[i] *= decay;
-      pred += s[i] * qk[1][part + 4 * i];
-    }
-    pred += __shfl_xor_sync(0xffffffffu, pred, 1);
-    pred += __shfl_xor_sync(0xffffffffu, pred, 2);
     const float v = conv_silu(mixed, taps, ring, P, t, v_channel, C, KW, in_stride);
-    const float u = (v - pred) * beta;
+    delta_update(s, qk[1], part, decay, beta, v);
     float o = 0.0f;
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-      s[i] += qk[1][part + 4 * i] * u;
-      o += s[i] * qk[0][part + 4 * i];
-    }
+    for (int i = 0; i < R; ++i) o += s[i] * qk[0][part + 4 * i];
     o += __shfl_xor_sync(0xffffffffu, o, 1);
     o += __shfl_xor_sync(0xffffffffu, o, 2);
     if (part == 0) out[((size_t)t * Hv + h) * DV + col] = o;
-    if (t < T - 1) {
-      float* snap = snapshots + ((size_t)t * Hv + h) * DK * DV;
-#pragma unroll
-      for (int i = 0; i < R; ++i) snap[(size_t)(part + 4 * i) * DV + col] = s[i];
+    if (record) {  // the row's k, beta and e^g by the head's first block, v by every block's columns
+      float* inputs = row_inputs + ((size_t)t * Hv + h) * ROW_INPUTS(DK, DV);
+      if (blockIdx.y == 0 && threadIdx.x < DK) inputs[threadIdx.x] = qk[1][threadIdx.x];
+      if (blockIdx.y == 0 && threadIdx.x == 0) {
+        inputs[DK + DV] = beta;
+        inputs[DK + DV + 1] = decay;
+      }
+      if (part == 0) inputs[DK + col] = v;
     }
   }
 #pragma unroll
@@ -188,13 +211,50 @@ __device__ void deltanet_rows(const float* __restrict__ mixed, const float* __re
   extern "C" __global__ void __launch_bounds__(128, 4) deltanet_rows_dk##DK(                                    \
       const float* mixed, const float* taps, float* ring, const int* start, const float* b, const float* a,       \
       const u16* ba_w, const float* x, int K, const float* decay_rate, const float* dt_bias, float* state,       \
-      float* snapshots, float* out, const float* z, const float* w, float eps, int sigmoid, float* y,            \
+      int record, float* prior, float* row_inputs, float* out, const float* z, const float* w, float eps,       \
+      int sigmoid, float* y,                                                                                      \
       u16* y_bf16, signed char* y_q, float* y_scale, int forms, int* arrivals, int T, int Hk, int Hv, int DV,     \
       int KW, long long in_stride, float q_scale, long long ba_stride, long long z_stride) {                      \
-    deltanet_rows<DK>(mixed, taps, ring, start, b, a, ba_w, x, K, decay_rate, dt_bias, state, snapshots, out, z, \
+    deltanet_rows<DK>(mixed, taps, ring, start, b, a, ba_w, x, K, decay_rate, dt_bias, state, record, prior,     \
+                      row_inputs, out, z,                                                                         \
                       w, eps, sigmoid, y, y_bf16, y_q, y_scale, forms, arrivals, T, Hk, Hv, DV, KW, in_stride,    \
                       q_scale, ba_stride, z_stride);                                                              \
   }
 DELTANET_ROWS(32)
 DELTANET_ROWS(64)
 DELTANET_ROWS(128)
+
+// deltanet_keep: a verify's rollback to its first `rows` rows: S = prior, then rows 0 .. rows - 1 of
+// row_inputs [*, Hv, ROW_INPUTS(DK, DV)] through delta_update, as deltanet_rows ran them (same blocks,
+// same threads a column part, same code: the bits it had after row rows - 1). S, prior [Hv, DK, DV].
+// Launch: grid (Hv, DV / 32), block 128.
+template <int DK>
+__device__ void deltanet_keep(const float* __restrict__ prior, const float* __restrict__ row_inputs,
+                              float* __restrict__ state, int rows, int Hv, int DV) {
+  constexpr int R = DK / 4;
+  __shared__ float k[DK];
+  const int h = blockIdx.x, j = threadIdx.x / 4, part = threadIdx.x % 4, col = blockIdx.y * 32 + j;
+  const float* before = prior + (size_t)h * DK * DV;
+  float s[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) s[i] = before[(size_t)(part + 4 * i) * DV + col];
+  for (int t = 0; t < rows; ++t) {
+    const float* inputs = row_inputs + ((size_t)t * Hv + h) * ROW_INPUTS(DK, DV);
+    __syncthreads();  // the previous row's reads of k are done
+    if (threadIdx.x < DK) k[threadIdx.x] = inputs[threadIdx.x];
+    __syncthreads();
+    delta_update(s, k, part, inputs[DK + DV + 1], inputs[DK + DV], inputs[DK + col]);
+  }
+  float* S = state + (size_t)h * DK * DV;
+#pragma unroll
+  for (int i = 0; i < R; ++i) S[(size_t)(part + 4 * i) * DV + col] = s[i];
+}
+
+#define DELTANET_KEEP(DK)                                                                                         \
+  extern "C" __global__ void __launch_bounds__(128, 4) deltanet_keep_dk##DK(                                    \
+      const float* prior, const float* row_inputs, float* state, int rows, int Hv, int DV) {                     \
+    deltanet_keep<DK>(prior, row_inputs, state, rows, Hv, DV);                                                   \
+  }
+DELTANET_KEEP(32)
+DELTANET_KEEP(64)
+DELTANET_KEEP(128)

@@ -25,17 +25,18 @@ def test_table_has_one_line_per_weight_and_route():
     assert lines[-1].split()[:2] == ["b", "1024"] and "3600 ( 90%)" in lines[-1]
 
 
-def test_cycle_bill_is_the_seeds_27b_pass_plus_context_and_snapshots():
+def test_cycle_bill_is_the_seeds_27b_pass_plus_context_and_rollback_record():
     from duet.engine.heads import RESCORE_CANDIDATES
-    from duet.engine.placement import conv_state_bytes, deltanet_state_bytes
+    from duet.engine.placement import conv_state_bytes
 
     c = bench_gpu.geometry_27b(64)
     assert c.layer_types.count("full_attention") == 16 and c.rotary_dim == 64
     kv = 16 * bench_gpu.CONTEXT * 2 * 4 * 256 * 2  # bf16 keys and values of 16 attention layers
     # REFERENCE.md section 6: 12.596 GB decoder + 0.656 GB int4 head + 0.302 GB DeltaNet state = 13.554 GB
     assert abs(bench_gpu.cycle_bill(c, 1) - kv - 2 * conv_state_bytes(c) - 13.554e9) < 0.01e9
-    per_row = deltanet_state_bytes(c) + conv_state_bytes(c) + (1 + RESCORE_CANDIDATES) * 5120 * 2
-    assert bench_gpu.cycle_bill(c, 4) - bench_gpu.cycle_bill(c, 1) == 3 * per_row
+    lookups = (1 + RESCORE_CANDIDATES) * 5120 * 2  # a row's embedding row and its rescored candidates' bf16 rows
+    record = 48 * 48 * 128 * 128 * 4 + 4 * 48 * 48 * (128 + 128 + 2) * 4  # S before the pass, each row's k | v | beta | e^g
+    assert bench_gpu.cycle_bill(c, 4) - bench_gpu.cycle_bill(c, 1) == 3 * lookups + record
 
 
 def test_cycle_table_says_how_much_of_the_model_ran():

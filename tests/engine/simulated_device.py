@@ -762,6 +762,25 @@ def int8_swiglu(codec: str, width: int):
     return run
 
 
+def deltanet_keep(DK: int):
+    """deltanet_keep_dk<DK>: block (head h, 32 value columns); S = prior, then rows 0 .. rows - 1 of
+    row_inputs by cpu_ops.delta_update, as delta_rule_step ran them in deltanet_rows."""
+
+    def run(grid, block, a):
+        if block[0] != 128:
+            raise ValueError("deltanet_keep: four threads per value column, 32 columns: blocks of 128")
+        Hv, DV, rows = int(a.Hv), int(a.DV), int(a.rows)
+        heads, cols = min(Hv, grid[0]), min(DV, 32 * grid[1])
+        S = take(a.prior, Hv, DK, DV).copy()
+        inputs = take(a.row_inputs, rows, Hv, DK + DV + 2)
+        for t in range(rows):
+            row = inputs[t]
+            S = cpu_ops.delta_update(S, row[:, DK + DV + 1], row[:, :DK], row[:, DK : DK + DV], row[:, DK + DV])
+        take(a.state, Hv, DK, DV)[:heads, :, :cols] = S[:heads, :, :cols]
+
+    return run
+
+
 def trellis_gemv(grid, block, a):
     N, K, T, k = int(a.N), int(a.K), int(a.T), int(a.k)
     if a.multiplier != MULTIPLIERS[k]:
@@ -775,8 +794,9 @@ def trellis_gemv(grid, block, a):
 
 def deltanet_rows(DK: int):
     """deltanet_rows_dk<DK>: block (head h, 32 value columns); the causal conv over the ring's history
-    (by engine.backend.cpu_ops.causal_conv), then S, the snapshots after every row but the last and the
-    output o, by cpu_ops.delta_rule_rows (b and a made from in_proj_b/a's rows where K > 0); the call's
+    (by engine.backend.cpu_ops.causal_conv), then S and the output o by cpu_ops.delta_rule_rows (b and a
+    made from in_proj_b/a's rows where K > 0), with `record` S before the launch into prior and each
+    row's k | v | beta | e^g into row_inputs (what deltanet_keep replays); the call's
     rows into the ring for the channels the grid's blocks own; the gated norm of every head whose
     column blocks the grid covers, with its forms."""
 
@@ -807,7 +827,14 @@ def deltanet_rows(DK: int):
         v = conv[:, 2 * Hk * DK :].reshape(T, Hv, DV)
         o = cpu_ops.delta_rule_rows(q, k, v, beta, log_decay, state)
         take(a.out, T, Hv, DV)[:, :heads, :cols] = o[:, :heads, :cols]
-        take(a.snapshots, T, Hv, DK, DV)[: T - 1, :heads, :, :cols] = np.stack(state.row_states)[: T - 1, :heads, :, :cols]
+        if int(a.record):
+            take(a.prior, Hv, DK, DV)[:heads, :, :cols] = S[:heads, :, :cols]
+            inputs = take(a.row_inputs, T, Hv, DK + DV + 2)
+            if cols:  # a head's first column block writes its k, beta and e^g
+                inputs[:, :heads, :DK] = k[:, :heads]
+                inputs[:, :heads, DK + DV] = beta[:, :heads]
+                inputs[:, :heads, DK + DV + 1] = [np.exp(g)[:heads] for g in log_decay]  # as delta_rule_step, a row at a time
+            inputs[:, :heads, DK : DK + cols] = v[:, :heads, :cols]
         S[:heads, :, :cols] = state.recurrent[:heads, :, :cols]
         slots = (P + np.arange(T)) % R
         for hk in range(Hk):
@@ -1182,6 +1209,7 @@ TWINS = {
     **{f"int8_{kind}_{codec}_t{width}": make(codec, width) for kind, make in (("gemv", int8_gemv), ("swiglu", int8_swiglu))
        for codec in INT8_CODECS for width in (4, 16)}, "trellis_gemv": trellis_gemv,
     **{f"deltanet_rows_dk{dk}": deltanet_rows(dk) for dk in (32, 64, 128)},
+    **{f"deltanet_keep_dk{dk}": deltanet_keep(dk) for dk in (32, 64, 128)},
     **{f"attention_bf16_hd{hd}": attention_bf16(hd) for hd in (64, 128, 256)},
     **{f"attention_partial_{kind}_hd{hd}": attention_partial(kind, hd) for hd in (64, 128, 256)
        for kind in ("q4", "exact")},

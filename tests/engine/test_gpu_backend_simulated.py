@@ -177,6 +177,20 @@ def test_a_turn_continues_the_device_states_the_last_reply_left(prompt, monkeypa
 
 
 @pytest.mark.usefixtures("cp")
+def test_the_device_holds_the_deltanet_state_the_memory_plan_counts(monkeypatch):
+    """The device's DeltaNet states are what placement's memory plan counts for them: each layer's
+    state, and what a verify records for its rollback (the state before it, MAX_ROWS rows of inputs:
+    rollback_bytes). Sixteen copies of the state, one after each row, were 2.4 GB on the 27B."""
+    from duet.engine.backend import MAX_ROWS
+    from duet.engine.placement import deltanet_state_bytes, rollback_bytes
+
+    lm = load(MODELS / "demo", "bf16", "cupy", monkeypatch)
+    deltanet = [cache for cache in lm.model.new_state().layers if isinstance(cache, gb.DeltaNetState)]
+    held = sum(array.nbytes for cache in deltanet for array in (cache.recurrent, cache.prior, cache.row_inputs))
+    assert held == deltanet_state_bytes(lm.config) + rollback_bytes(lm.config, MAX_ROWS)
+
+
+@pytest.mark.usefixtures("cp")
 @pytest.mark.parametrize("kv", ["bf16", "q4"])
 def test_kv_caches_grow_mid_reply(prompt, monkeypatch, kv):
     """A 120-token prompt and a 150-token reply pass the caches' first 256 rows: they grow (the graphs

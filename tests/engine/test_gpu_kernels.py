@@ -263,9 +263,10 @@ def test_the_conv_ring_is_the_kernels():
 @pytest.mark.parametrize("dk,dv,hk,hv", [(32, 64, 2, 4), (128, 128, 16, 48)])
 def test_deltanet_launch_matches_cpu_and_rolls_back(dk, dv, hk, hv, b_and_a, cp):
     """The conv over the ring's history, the rule and the gated norm in one launch a slice, against
-    the CPU's causal_conv, delta_rule_rows and rms_norm * silu: outputs, the state after every row, and
-    a rollback after which the next call (reading its history from the ring) continues as the CPU that
-    saw only the kept rows. The first call runs as two slices, as a longer call would. b and a come as
+    the CPU's causal_conv, delta_rule_rows and rms_norm * silu: outputs, the state, a rollback into the
+    last slice after which the next call (reading its history from the ring) continues as the CPU that
+    saw only the kept rows, and a rollback that replays the recorded rows to the very bits a call of
+    those rows leaves. The first call runs as two slices, as a longer call would. b and a come as
     columns of the projection, or from in_proj_b/a's bf16 rows times the normed input in the launch
     (a W4 checkpoint's 16-bit rows)."""
     rng = np.random.default_rng(dk)
@@ -304,14 +305,19 @@ def test_deltanet_launch_matches_cpu_and_rolls_back(dk, dv, hk, hv, b_and_a, cp)
     cpu_state.conv, cpu_state.recurrent = d.history.copy(), d.start.copy()
     want = cpu_call(cpu_state, 0, T)
     np.testing.assert_allclose(gpu_call(0, [(slice(0, 3), P), (slice(3, T), P + 3)]), want, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(host(state.row_states[0]), cpu_state.row_states[3], rtol=1e-4, atol=1e-5)  # the second slice's first row
     np.testing.assert_allclose(host(state.recurrent), cpu_state.recurrent, rtol=1e-4, atol=1e-5)  # its last: S itself
     state.keep(1)  # the first row of the second slice: the state after 4 rows
     kept = DeltaNetState(d.C, d.KW, hv, dk, dv)
     kept.conv, kept.recurrent = d.history.copy(), d.start.copy()
     cpu_call(kept, 0, 4)
     np.testing.assert_allclose(host(state.recurrent), kept.recurrent, rtol=1e-4, atol=1e-5)
+    before = state.saved()
     np.testing.assert_allclose(gpu_call(1, [(slice(0, T), P + 4)]), cpu_call(kept, 1, T), rtol=1e-4, atol=1e-5)
+    state.keep(3)  # replayed from the recorded rows: the very bits a call of those 3 rows leaves
+    replayed = host(state.recurrent)
+    state.restore(before)
+    gpu_call(1, [(slice(0, 3), P + 4)])
+    np.testing.assert_array_equal(replayed, host(state.recurrent))
 
 
 # -------------------------------------------------------------------- attention ---

@@ -56,7 +56,8 @@ def test_mtp_drafting_three_times_adds_about_1_17_gb(int4_27b, weights_27b):
     assert near(bill.drafting / GB, 1.17, 0.01)
     assert bill.drafting == 3 * (weights_27b.mtp + weights_27b.shortlist)
     assert near(weights_27b.shortlist / GB, 0.173, 0.002)
-    assert bill.snapshots == 3 * (bill.deltanet_state + bill.conv_state) // 2  # a state written per extra verify row
+    # a rollback's record: the 48 layers' state before the verify (0.151 GB) and each of its 4 rows' k | v | beta | e^g
+    assert bill.rollback == bill.deltanet_state // 2 + 4 * 48 * 48 * (128 + 128 + 2) * 4
 
 
 def test_262144_tokens_fit_24_gb_with_q4_kv_and_host_tables_not_with_bf16(int4_27b, weights_27b):
