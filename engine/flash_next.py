@@ -228,18 +228,18 @@ class FlashNextModel(Model):
     def draft_head_input(self, hidden):
         return self.mtp.mixer(hidden)[0]
 
-    def mtp_forward(self, state, next_tokens, hidden):
+    def mtp_forward(self, state, next_tokens, hidden, last_only: bool = False):
         """The MTP head over rows t (next_tokens[t] = x_{t+1}, hidden[t] = the trunk's streams at t);
-        returns its streams, which the next draft step reads as its h."""
+        returns its streams, which the next draft step reads as its h (last_only: Model.mtp_forward's)."""
         head, eps, ops, hc = self.mtp, self.config.rms_norm_eps, self.ops, self.config.flash.hc_count
         ids = np.asarray(next_tokens, dtype=np.int64)
         T = len(ids)
         e = head.fc_embedding(ops.rms_norm(self.embed[ids], head.norm_embedding, eps))  # [T, H]
         h = stream_norm(ops, hidden, head.norm_hidden, hc, eps).reshape(T * hc, -1)
         streams = (head.fc_hidden(h).reshape(T, hc, -1) + e[:, None, :]).reshape(T, -1)
-        streams = head.layer(streams, state.layers[0], ops.mtp_position(state, T), ids)
+        streams = head.layer(streams, state.layers[0], ops.mtp_position(state, T), ids, last_only and ops.LAST_ROW_ALONE)
         state.advance(T)
-        return streams
+        return streams[-1:] if last_only else streams
 
 
 # ------------------------------------------------------------------------- the CPU's steps ---

@@ -281,17 +281,20 @@ class Model:
     def new_mtp_state(self):
         return self.ops.new_state([self.mtp.layer.mixer.new_cache()])
 
-    def mtp_forward(self, state, next_tokens, hidden):
+    def mtp_forward(self, state, next_tokens, hidden, last_only: bool = False):
         """MTP over rows t: next_tokens[t] = x_{t+1}, hidden[t] = h_t. Returns the MTP hidden states.
 
         The MTP layer sees x_{t+1} at position t + 1; state.length counts the rows it has seen, so
-        the first row of a sequence sits at position 1.
+        the first row of a sequence sits at position 1. last_only: the last row's state only [1, H], all
+        a drafter's commit reads; where the op set computes rows alone (LAST_ROW_ALONE) the layer's
+        attention output and feed-forward run for that row only (every row's keys and values are cached).
         """
         head, eps, ops = self.mtp, self.config.rms_norm_eps, self.ops
         ids = np.asarray(next_tokens, dtype=np.int64)
         e = ops.rms_norm(self.embed[ids], head.norm_embedding, eps)
         h = ops.rms_norm(hidden, head.norm_hidden, eps)
         x = head.fc(ops.concat([e, h], axis=-1))  # [T, 2H] -> [T, H], embedding first
-        x, delta = head.layer(x, None, state.layers[0], ops.mtp_position(state, len(ids)))
+        x, delta = head.layer(x, None, state.layers[0], ops.mtp_position(state, len(ids)), last_only and ops.LAST_ROW_ALONE)
         state.advance(len(ids))
-        return ops.add_rms_norm(x, delta, head.norm, eps)[1]
+        out = ops.add_rms_norm(x, delta, head.norm, eps)[1]
+        return out[-1:] if last_only else out

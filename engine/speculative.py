@@ -188,7 +188,7 @@ class MTPDrafter:
 
     def commit(self, committed: list[int], hidden: np.ndarray) -> None:
         """Rows for the newly committed tokens: committed[j] is x_{t+1} for main hidden[j] = h_t."""
-        self.hidden = self.model.mtp_forward(self.state, committed, hidden)[-1:]
+        self.hidden = self.model.mtp_forward(self.state, committed, hidden, last_only=True)
 
     def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
         committed_length = self.state.length

@@ -288,6 +288,9 @@ class CpuOps:
     # A verify row's extra time in decode steps (engine/speculative.py's Depth). On two cores a 5-row
     # verify of the demo took 1.29-1.39 decode steps (compiled kernels: one weight read for all rows).
     VERIFY_ROW_COST = 0.1
+    # A layer may compute its output for a call's last row alone (Model.forward's and mtp_forward's
+    # last_only): every per-row step here gives a row the same bits alone as among others.
+    LAST_ROW_ALONE = True
 
     def __init__(self, compiled_steps: bool | None = None):
         self.compiled_steps = compiled.unavailable() is None if compiled_steps is None else compiled_steps

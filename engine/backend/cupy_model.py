@@ -181,6 +181,7 @@ class GpuOps:
     # weights once for up to 16 rows. The seed's 3090 ran an 8-row cycle of a 7-token drafter in 1.23
     # decode steps, drafter included (REFERENCE.md section 6: 5.9 tokens at 276.7 tok/s against 57.8).
     VERIFY_ROW_COST = 0.03
+    LAST_ROW_ALONE = False  # a layer's launches (and a graph) serve every row of a call (forward)
 
     def __init__(self, config: ModelConfig):
         self.inv_freq = _dev(rope_frequencies(config.rotary_dim, config.rope_theta))  # the CPU's fp32 inv_freq

@@ -223,3 +223,25 @@ def test_mtp_drafts_keep_greedy_output_and_roll_back_their_own_cache(tmp_path):
     assert finished.drafter == "mtp" and finished.stats.drafted > 0
     # Drafted rows are rewound: the MTP cache holds one row per committed position t (x_{t+1}, h_t).
     assert drafter.state.length == drafter.state.layers[0].length == len(prompt) + len(drafted) - 1
+
+
+def test_an_mtp_commit_of_the_last_row_alone_caches_and_returns_what_all_rows_would(tmp_path):
+    """A drafter's commit reads only its last row (MTPDrafter.commit, mtp_forward's last_only): that row
+    has the bits it has among the others, and every row's keys and values are cached all the same."""
+    from conftest import add_random_mtp_head
+
+    ref = build_reference("qwen3_5_text", seed=23)
+    save_reference(ref, tmp_path)
+    add_random_mtp_head(tmp_path, ref, seed=24)
+    model = load_model(tmp_path).model
+    prompt = [int(t) for t in np.random.default_rng(8).integers(0, 300, 12)]
+    hidden = model.forward(model.new_state(), prompt)
+    whole, alone = model.new_mtp_state(), model.new_mtp_state()
+    for start, stop in ((0, 5), (5, 8), (8, 11)):  # a prompt's rows, then commits of three rows each
+        rows = model.mtp_forward(whole, prompt[start + 1 : stop + 1], hidden[start:stop])
+        last = model.mtp_forward(alone, prompt[start + 1 : stop + 1], hidden[start:stop], last_only=True)
+        assert last.shape[0] == 1 and np.array_equal(last, rows[-1:])
+        cached, cached_alone = whole.layers[0], alone.layers[0]
+        assert alone.length == whole.length == stop
+        assert np.array_equal(cached_alone.keys[:, :stop], cached.keys[:, :stop])
+        assert np.array_equal(cached_alone.values[:, :stop], cached.values[:, :stop])

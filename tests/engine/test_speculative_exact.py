@@ -650,13 +650,13 @@ class SymbolicModel:
     def new_mtp_state(self):
         return SymbolicState()
 
-    def mtp_forward(self, state, next_tokens, hidden):
+    def mtp_forward(self, state, next_tokens, hidden, last_only: bool = False):
         assert len(next_tokens) == len(hidden)
         out = []
         for x, h in zip(next_tokens, hidden[:, 0]):
             state.rows.append((int(x), h))
             out.append(("mtp", tuple(state.rows)))
-        return symbols(*out)
+        return symbols(*out[-1:] if last_only else out)
 
     def draft_candidates(self, hidden, top_k: int = 0, temperature: float = 1.0):
         """Whole rows whatever top_k asks (Model may send only what top-k keeps; the processors apply it)."""
