@@ -1735,8 +1735,9 @@ class RowPlanes:
 
 def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
     """A W4 or GGUF matrix as RowPlanes, a chunk of groups at a time split between the cores: Q4_0's
-    and Q8_0's bytes move as they are (_blocks_to_rows), other levels come through their codec; byte
-    levels xor `flip` (QUAD_BIAS for vnni)."""
+    and Q8_0's bytes move as they are (_blocks_to_rows), K-quants' are decoded in one compiled pass
+    (_k_blocks_to_rows: a 0.8B Q4_K_M file's Q6_K head took 1.0 s through the codec, 0.2 s so), other
+    levels come through their codec; byte levels xor `flip` (QUAD_BIAS for vnni)."""
     N, K = weight.shape
     unit = min(ACT_BLOCK, weight.block_size())  # 32, or Q6_K's 16
     U, G = K // unit, -(-N // ROWS)
@@ -1756,12 +1757,18 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
             return grouped.transpose(0, 2, 1).reshape(len(grouped), -1)
         return grouped.transpose(0, 2, 3, 1, 4).reshape(len(grouped), -1)
 
+    if isinstance(weight, BlockMatrix):  # read-only, as a file's memory map (a shortlist's rows are a copy): one signature
+        raw = weight.raw.view()
+        raw.flags.writeable = False
+
     def chunks(lo: int, hi: int) -> None:
         for first in range(lo * step, min(G, hi * step), step):
             last = min(G, first + step)
             start, stop = first * ROWS, min(N, last * ROWS)
             if as_stored:
-                _blocks_to_rows(weight.raw, codes, scale, first, last, 0 if nibbles else flip, 0x88 if nibbles else flip)
+                _blocks_to_rows(raw, codes, scale, first, last, 0 if nibbles else flip, 0x88 if nibbles else flip)
+            elif isinstance(weight, BlockMatrix) and weight.qtype.name in K_QUANT_KINDS:
+                _k_blocks_to_rows(raw, K_QUANT_KINDS[weight.qtype.name], codes, scale, minimum, first, last, flip)
             else:
                 by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)  # [r, positions, U], [r, U]
                 pad = (last - first) * ROWS - (stop - start)
@@ -1801,6 +1808,78 @@ def _blocks_to_rows(raw, codes, scale, first, last, flip, fill):
                     codes[g, at] = raw[n, v * block + 2 + j] ^ flip if n < N else fill
                 bits = np.uint16(raw[n, v * block]) | (np.uint16(raw[n, v * block + 1]) << np.uint16(8)) if n < N else np.uint16(0)
                 scale[g, v * ROWS + r] = bits
+
+
+K_QUANT_KINDS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}  # _k_blocks_to_rows' kind
+
+
+@kernel_jit()
+def _k_blocks_to_rows(raw, kind, codes, scale, minimum, first, last, flip):
+    """Q4_K, Q5_K or Q6_K blocks (kind 0, 1, 2; layouts: engine/quant/gguf_blocks.py) [N, B * type size]
+    -> RowPlanes of groups [first, last), as repack_rows' codec path lays them (a unit is a sub-block):
+    Q4_K's 0..15 levels as nibbles (positions j and 16 + j of a unit in byte j), its minimum less 8
+    scales; Q5_K's and Q6_K's levels (Q6_K's q - 32) a byte each, xor flip; fp32 scale d * sc (and
+    minimum dmin * m), each an fp32 product as the codec makes it. Rows past N: level 0, scale 0.
+    One pass over the file's bytes: the codec path decoded to fp32 levels and reordered them in numpy."""
+    N = raw.shape[0]
+    unit = 16 if kind == 2 else 32
+    U = scale.shape[1] // ROWS
+    per_block = 256 // unit  # units (sub-blocks) a block
+    blocks = U // per_block
+    size = raw.shape[1] // blocks
+    levels = np.empty(256, np.int32)
+    d_bits, scratch = np.empty(2, np.uint16), np.empty(2, np.uint32)
+    sc, mn = np.empty(8, np.int32), np.empty(8, np.int32)
+    for g in range(first, last):
+        for r in range(ROWS):
+            n = g * ROWS + r
+            for b in range(blocks):
+                block = raw[n, b * size : (b + 1) * size] if n < N else raw[0, 0:size]
+                if n >= N:  # as the codec path pads: nibbles 0x88 (the kernels' - 8 leaves 0), bytes level 0
+                    levels[:] = 8 if kind == 0 else 0
+                elif kind == 2:  # Q6_K: ql[128] | qh[64] | scales int8[16] | d
+                    for e in range(256):
+                        h, half, byte = e // 128, (e % 128) // 64, e % 64
+                        low = (np.int32(block[64 * h + byte]) >> (4 * half)) & 15
+                        high = (np.int32(block[128 + 32 * h + e % 32]) >> (2 * ((e % 128) // 32))) & 3
+                        levels[e] = (low | (high << 4)) - 32
+                else:  # Q4_K / Q5_K: d | dmin | scales[12] | (Q5_K: qh[32]) | qs[128]
+                    qs = 16 if kind == 0 else 48
+                    for e in range(256):
+                        sub, i = e // 32, e % 32
+                        levels[e] = (np.int32(block[qs + 32 * (sub // 2) + i]) >> (4 * (sub % 2))) & 15
+                        if kind == 1:
+                            levels[e] |= ((np.int32(block[16 + i]) >> sub) & 1) << 4
+                if n < N:
+                    if kind == 2:
+                        d_bits[0] = np.uint16(block[208]) | (np.uint16(block[209]) << np.uint16(8))
+                    else:
+                        for j in range(2):
+                            d_bits[j] = np.uint16(block[2 * j]) | (np.uint16(block[2 * j + 1]) << np.uint16(8))
+                        for j in range(4):  # k_scale_min's 6-bit fields
+                            sc[j], mn[j] = np.int32(block[4 + j]) & 63, np.int32(block[8 + j]) & 63
+                            sc[4 + j] = (np.int32(block[12 + j]) & 15) | ((np.int32(block[4 + j]) >> 2) & 48)
+                            mn[4 + j] = (np.int32(block[12 + j]) >> 4) | ((np.int32(block[8 + j]) >> 2) & 48)
+                    d = unit_scales(d_bits, scratch)
+                for j in range(per_block):
+                    v = b * per_block + j
+                    if n >= N:
+                        scale[g, v * ROWS + r] = 0
+                        if kind != 2:
+                            minimum[g, v * ROWS + r] = 0
+                    elif kind == 2:
+                        scale[g, v * ROWS + r] = d[0] * np.float32(np.int8(block[192 + j]))
+                    else:
+                        unit_scale = d[0] * np.float32(sc[j])
+                        scale[g, v * ROWS + r] = unit_scale
+                        low = d[1] * np.float32(mn[j])
+                        minimum[g, v * ROWS + r] = low - np.float32(8) * unit_scale if kind == 0 else low
+                    for p in range(unit // 4 if kind != 0 else 4):
+                        for q in range(4):
+                            if kind == 0:  # nibbles: positions 4p + q (low) and 16 + 4p + q (high) of unit v
+                                codes[g, v * 256 + p * 64 + r * 4 + q] = np.uint8(levels[j * unit + 4 * p + q] | (levels[j * unit + 16 + 4 * p + q] << 4))
+                            else:
+                                codes[g, v * 16 * unit + p * 64 + r * 4 + q] = np.uint8((levels[j * unit + 4 * p + q] ^ flip) & 255)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2143,7 +2222,9 @@ def _model_kernel_steps() -> list[Callable[[], None]]:
 
     def blocks(name: str) -> BlockMatrix:
         qtype = GGMLQuantizationType[name]
-        return BlockMatrix(qtype, np.zeros((8, 256 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]), np.uint8), 256)
+        raw = np.zeros((8, 256 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]), np.uint8)
+        raw.flags.writeable = False  # as a file's memory map: the repack kernels' one signature
+        return BlockMatrix(qtype, raw, 256)
 
     w4 = W4Weight(np.zeros((8, 32), np.uint32), np.zeros((8, 2), np.uint16))
     trellis = TrellisWeight(np.zeros((32, 32), np.uint8), np.ones(16, np.float32), (16, 256), 2, 0)  # 32 tiles of 16 x 8, 2 bits

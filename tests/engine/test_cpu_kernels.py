@@ -196,6 +196,36 @@ def test_row_planes_hold_blocks_and_w4_levels_as_laid_out(flip):
         assert np.array_equal(scales[:N], unit_scale) and not scales[N:].any()
 
 
+@pytest.mark.parametrize("flip", [0, 128])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda t: t.name)
+def test_k_quant_row_planes_hold_the_codecs_levels_scales_and_minima(qtype, flip):
+    """K-quant blocks decoded into RowPlanes in one compiled pass hold, laid out as the other forms,
+    exactly what their codec decodes (itself equal to gguf.quants.dequantize, test_gguf_blocks.py):
+    Q4_K's 0..15 levels as nibbles with the minimum less 8 scales, Q5_K's and Q6_K's levels a byte
+    xor `flip`, each unit's fp32 scale and minimum; padding rows level 0 (Q4_K's nibbles 8), scale 0."""
+    weight = random_blocks(qtype, 21, 512, seed=40)
+    N, K = weight.shape
+    p = compiled.repack_rows(weight, flip)
+    levels, unit_scale, unit_minimum = weight.decode_rows(0, N)  # [N, U, unit], [N, U]
+    U, unit = levels.shape[1:]
+    if p.nibbles:
+        codes = p.codes.reshape(2, U, 4, 16, 4)  # [g, v, p, r, s]
+        quads = np.concatenate([codes & 15, codes >> 4], axis=2).astype(np.int64)
+        padding = 8
+    else:
+        quads = (p.codes.reshape(2, U, unit // 4, 16, 4) ^ np.uint8(flip)).view(np.int8).astype(np.int64)
+        padding = 0
+    rows = quads.transpose(0, 3, 1, 2, 4).reshape(32, K)  # [g r, v quads s]
+    assert p.nibbles == (qtype == Q.Q4_K) and np.array_equal(rows[:N], levels.reshape(N, K)) and (rows[N:] == padding).all()
+    by_row = lambda planes: planes.reshape(2, U, 16).transpose(0, 2, 1).reshape(32, U)  # noqa: E731
+    assert np.array_equal(by_row(p.scale)[:N], unit_scale) and not by_row(p.scale)[N:].any()
+    if qtype == Q.Q6_K:
+        assert unit_minimum is None and p.minimum.size == 0
+    else:
+        want = unit_minimum - np.float32(8) * unit_scale if qtype == Q.Q4_K else unit_minimum
+        assert np.array_equal(by_row(p.minimum)[:N], want) and not by_row(p.minimum)[N:].any()
+
+
 def test_q4_k_row_planes_hold_half_a_byte_a_level():
     """Q4_K's 0..15 levels go into nibbles as they are (the kernels' - 8 comes back through the
     minimum, less 8 scales): half the bytes of one level a byte; within the bound of its dequantized
