@@ -24,8 +24,8 @@ DRIVER = textwrap.dedent("""
     from duet.app.session import EngineChoices, Launch
     from duet.app.ui.app import DuetApp
 
-    async def until(pilot, condition):
-        for _ in range(600):
+    async def until(pilot, condition, seconds=30):
+        for _ in range(int(seconds / 0.05)):
             if condition():
                 return
             await pilot.pause(0.05)
@@ -36,7 +36,8 @@ DRIVER = textwrap.dedent("""
         app = DuetApp(user_paths(), Config(max_tokens=int(sys.argv[2])), launch)
         async with app.run_test(size=(120, 40)) as pilot:
             screen = app.screen
-            await until(pilot, lambda: screen.host.lm is not None)
+            # a fresh clone compiles the CPU kernels first (about 30 s on two busy cores)
+            await until(pilot, lambda: screen.host.lm is not None, seconds=240)
             for text in ("first message", "second message"):
                 screen.query_one("#prompt", Input).value = text
                 await pilot.press("enter")
