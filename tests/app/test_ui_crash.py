@@ -42,7 +42,7 @@ DRIVER = textwrap.dedent("""
                 screen.query_one("#prompt", Input).value = text
                 await pilot.press("enter")
                 await until(pilot, lambda: not screen.streaming)
-            app.config.max_tokens = 4000
+            app.config.max_tokens = 1_000_000  # the third reply streams until killed (see CONTEXT)
             screen.query_one("#prompt", Input).value = "third message"
             await pilot.press("enter")
             await until(pilot, lambda: screen.streaming and screen.reply_view.text)
@@ -53,8 +53,13 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+CONTEXT = 262_144
+
+
 def test_sigkill_mid_reply_loses_no_completed_message(tmp_path, monkeypatch):
-    model = save_reference(build_reference("qwen3_5_text"), tmp_path / "endless")
+    # A context long enough that the third reply still streams when the driver looks: at 4,096
+    # positions this model filled it in 0.8 s, sometimes before the UI's polls saw it streaming.
+    model = save_reference(build_reference("qwen3_5_text", max_position_embeddings=CONTEXT), tmp_path / "endless")
     tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
     del tokenizer_config["eos_token"]  # replies run to max_tokens unless stopped
     (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
