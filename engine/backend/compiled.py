@@ -1660,7 +1660,7 @@ def repack(weight: W4Weight | TrellisWeight, unit: int, quads: bool = False) -> 
         for start in range(lo * step, min(N, hi * step), step):
             stop = min(N, start + step)
             first, last = start // R, -(-stop // R)
-            by_unit, unit_scale, _ = _units(weight, start, stop, unit, nibbles)
+            by_unit, unit_scale = _units(weight, start, stop, unit, nibbles)
             laid = lanes(by_unit)  # [g, positions, L]: nibbles' byte j holds positions j and j + unit/2
             by_width = laid.reshape(last - first, positions // width, width, R * U).transpose(0, 1, 3, 2)
             codes[first:last] = by_width.astype(np.int16) + flip if flip else by_width
@@ -1671,28 +1671,22 @@ def repack(weight: W4Weight | TrellisWeight, unit: int, quads: bool = False) -> 
 
 
 def _units(weight: W4Weight | BlockMatrix | TrellisWeight, start: int, stop: int, unit: int, nibbles: bool):
-    """Rows start..stop as (codes [r, positions, U], scale [r, U], minimum [r, U] or None), through
-    the form's codec (engine/quant). Trellis levels come decoded to int8 (the route applies the row
-    scale after the sum, so their unit scales are 1). `nibbles`: two levels a byte, positions j and
-    j + unit/2, each + 8 (W4's and Q4_0's -8..7), or as they are where the codec's are 0..15 (Q4_K)."""
+    """Rows start..stop as (codes [r, positions, U], scale [r, U]), through the form's codec
+    (engine/quant; K-quants, whose minimum this leaves out, go through _k_blocks_to_rows). Trellis
+    levels come decoded to int8 (the route applies the row scale after the sum, so their unit scales
+    are 1). `nibbles`: two levels a byte, positions j and j + unit/2, each + 8 (W4's -8..7)."""
     rows = stop - start
     if isinstance(weight, TrellisWeight):
         levels, _ = weight.decode_rows(start, stop)  # [r, K/128, 128], rotated basis
         by_unit = levels.astype(np.int8).transpose(0, 2, 1)
-        return by_unit, np.ones((rows, by_unit.shape[2]), np.float32), None
-    levels, sub_scale, sub_minimum = weight.decode_rows(start, stop)  # [r, S, sub], [r, S]
+        return by_unit, np.ones((rows, by_unit.shape[2]), np.float32)
+    levels, sub_scale, _ = weight.decode_rows(start, stop)  # [r, S, sub], [r, S]
     per_sub = levels.shape[2] // unit  # units one scale covers
     by_unit = levels.reshape(rows, -1, unit).transpose(0, 2, 1)  # [r, unit, U]
     if nibbles:
-        stored = (by_unit if _unsigned_nibbles(weight) else by_unit + 8).astype(np.uint8)
+        stored = (by_unit + 8).astype(np.uint8)
         by_unit = stored[:, : unit // 2] | (stored[:, unit // 2 :] << np.uint8(4))
-    minimum = None if sub_minimum is None else np.repeat(sub_minimum, per_sub, axis=1)
-    return by_unit, np.repeat(sub_scale, per_sub, axis=1), minimum
-
-
-def _unsigned_nibbles(weight) -> bool:
-    """Whether the weight's levels are 0..15 (Q4_K), stored in a nibble as they are."""
-    return isinstance(weight, BlockMatrix) and weight.qtype.name == "Q4_K"
+    return by_unit, np.repeat(sub_scale, per_sub, axis=1)
 
 
 @dataclass(frozen=True)
@@ -1742,7 +1736,7 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
     unit = min(ACT_BLOCK, weight.block_size())  # 32, or Q6_K's 16
     U, G = K // unit, -(-N // ROWS)
     as_stored = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0")
-    nibbles = isinstance(weight, W4Weight) or weight.qtype.name == "Q4_0" or _unsigned_nibbles(weight)
+    nibbles = isinstance(weight, W4Weight) or weight.qtype.name in ("Q4_0", "Q4_K")  # Q4_K: its 0..15 levels as they are
     codes = np.empty((G, U * (256 if nibbles else 16 * unit)), np.uint8)
     scale = np.empty((G, U * ROWS), np.uint16 if as_stored else np.float32)
     has_minimum = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_K", "Q5_K")
@@ -1770,18 +1764,13 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
             elif isinstance(weight, BlockMatrix) and weight.qtype.name in K_QUANT_KINDS:
                 _k_blocks_to_rows(raw, K_QUANT_KINDS[weight.qtype.name], codes, scale, minimum, first, last, flip)
             else:
-                by_unit, unit_scale, unit_minimum = _units(weight, start, stop, unit, nibbles)  # [r, positions, U], [r, U]
+                by_unit, unit_scale = _units(weight, start, stop, unit, nibbles)  # [r, positions, U], [r, U]
                 pad = (last - first) * ROWS - (stop - start)
                 quads = by_unit.transpose(0, 2, 1).reshape(stop - start, U, -1, 4)  # [r, v, p, s]
                 if not nibbles:  # int8 levels as this family's kernel reads them
                     quads = (quads.astype(np.int16) ^ flip).astype(np.uint8) if flip else quads.astype(np.int8).view(np.uint8)
                 codes[first:last] = by_group(quads, pad, 0x88 if nibbles else flip)
                 scale[first:last] = by_group(unit_scale.astype(np.float32), pad, 0)
-                if has_minimum:
-                    unit_minimum = unit_minimum.astype(np.float32)
-                    if _unsigned_nibbles(weight):  # the kernels take 8 off every nibble: the minimum gives 8 scales back
-                        unit_minimum = unit_minimum - np.float32(8) * unit_scale.astype(np.float32)
-                    minimum[first:last] = by_group(unit_minimum, pad, 0)
             if isinstance(weight, BlockMatrix):
                 release_file_pages(weight.raw[start:stop])
 
