@@ -1061,54 +1061,90 @@ def _widen_bf16(bits, wide):
             wide[r, k] = np.uint32(bits[r, k]) << np.uint32(16)
 
 
-@kernel_jit()
-def delta_rule_rows(S, q, k, v, beta, log_decay, states, out, lo, hi):
-    """Gated DeltaNet's recurrence row by row (REFERENCE.md section 1), fused: per head and row
-    S' = e^g S; u = beta (v - S'^T k); S' += k u^T; o = S'^T q, in one pass over S and one over S'.
+@kernel_jit(inline="always")  # inlined in numba's IR: delta_rule_rows and delta_replay run the same code
+def _delta_row(before, after, q, k, v, beta, decay, update, o):
+    """Gated DeltaNet's step for one head and row (REFERENCE.md section 1): S' = e^g S; u = beta (v -
+    S'^T k); S' += k u^T; o = S'^T q, in one pass over S for u and one writing S' and summing o.
+    before, after [dk, dv] (not the same array: _delta_rows); q, k [dk]; v, o, update (scratch for u) [dv];
+    decay = e^g. Each sum runs over dk in order, so a row's bits never depend on the rows run with it
+    (cpu_ops.delta_update is the numpy reference)."""
+    dk, dv = before.shape
+    update[:] = 0
+    for i in range(dk):
+        for j in range(dv):
+            update[j] += (before[i, j] * decay) * k[i]
+    for j in range(dv):
+        update[j] = (v[j] - update[j]) * beta
+    o[:] = 0
+    for i in range(dk):
+        for j in range(dv):
+            after[i, j] = before[i, j] * decay + k[i] * update[j]
+            o[j] += after[i, j] * q[i]
 
-    S [H, dk, dv] the state before the first row (not written); q, k [T, H, dk]; v [T, H, dv];
-    beta, log_decay [T, H]; states [T, H, dk, dv] receives the state after each row (a verify pass
-    rolls back to any of them); out [T, H, dv]; heads [lo, hi) (heads are independent: the cores
-    share them). Each sum runs over dk in order, the same for a row alone as among others.
-    cpu_ops.delta_rule_step is the numpy reference."""
+
+@kernel_jit()
+def delta_rule_rows(S, q, k, v, beta, decay, last, out, lo, hi):
+    """Gated DeltaNet's recurrence row by row (_delta_row) for heads [lo, hi) (heads are independent:
+    the cores share them). S [H, dk, dv] the state before the first row (not written); q, k [T, H, dk];
+    v [T, H, dv]; beta, decay (e^g) [T, H]; last [H, dk, dv] receives the state after the last row, the
+    only state written (a rollback replays the rows it keeps from S: delta_replay); out [T, H, dv]."""
     T, H, dk = q.shape
-    dv = v.shape[2]
-    update = np.empty(dv, np.float32)
+    update = np.empty(v.shape[2], np.float32)
+    between = np.empty((dk if T > 1 else 0, v.shape[2]), np.float32)  # a decode step's row never reads it
     for h in range(lo, hi):
-        for t in range(T):
-            before = S[h] if t == 0 else states[t - 1, h]
-            after, o = states[t, h], out[t, h]
-            decay = np.float32(np.exp(log_decay[t, h]))
-            update[:] = 0
-            for i in range(dk):
-                for j in range(dv):
-                    update[j] += (before[i, j] * decay) * k[t, h, i]
-            for j in range(dv):
-                update[j] = (v[t, h, j] - update[j]) * beta[t, h]
-            o[:] = 0
-            for i in range(dk):
-                for j in range(dv):
-                    after[i, j] = before[i, j] * decay + k[t, h, i] * update[j]
-                    o[j] += after[i, j] * q[t, h, i]
+        _delta_rows(S, q, k, v, beta, decay, h, T, last, between, update, out)
+
+
+@kernel_jit(inline="always")
+def _delta_rows(S, q, k, v, beta, decay, h, rows, last, between, update, out):
+    """Head h's first `rows` rows from S[h] into last[h], the states between rows alternating between
+    `between` and last[h] so that no row reads the array it writes: LLVM then vectorizes its passes
+    (in place, its overlap check sent them to scalar code, 2.6x the time of a 4-row verify). Every
+    operand a C-contiguous row ([t, h] of C arrays), which the vectorizer needs as well."""
+    if rows == 1:  # a decode step: S to last, no choice of arrays for LLVM to check for overlap
+        _delta_row(S[h], last[h], q[0, h], k[0, h], v[0, h], beta[0, h], decay[0, h], update, out[0, h])
+        return
+    for t in range(rows):
+        after = last[h] if (rows - 1 - t) % 2 == 0 else between
+        before = S[h] if t == 0 else (between if (rows - 1 - t) % 2 == 0 else last[h])
+        _delta_row(before, after, q[t, h], k[t, h], v[t, h], beta[t, h], decay[t, h], update, out[t, h])
+
+
+@kernel_jit()
+def _delta_replay(prior, k, v, beta, decay, rows, S):
+    """S = prior after rows [0, rows) of delta_rule_rows (their outputs unread: k stands in for q)."""
+    update, between = np.empty(v.shape[2], np.float32), np.empty(prior.shape[1:], np.float32)
+    out = np.empty((rows, prior.shape[0], v.shape[2]), np.float32)
+    S[:] = prior
+    for h in range(prior.shape[0]):
+        _delta_rows(prior, k, k, v, beta, decay, h, rows, S, between, update, out)
+
+
+def delta_replay(prior: np.ndarray, row_inputs: tuple, rows: int) -> np.ndarray:
+    """The state after the first `rows` rows of a delta_rule_rows call, from the state before it and the
+    rows' (k, v, beta, decay) it recorded (engine.cache.DeltaNetState.keep): the bits that call had there."""
+    S = np.empty_like(prior)
+    _delta_replay(prior, *row_inputs, rows, S)
+    return S
 
 
 @kernel_jit(fastmath=True)
-def deltanet_heads(mixed, z, b, a, decay_rate, dt_bias, norm, eps, per_key, S, states, out, lo, hi):
+def deltanet_heads(mixed, z, b, a, decay_rate, dt_bias, norm, eps, per_key, S, last, k, v, beta, decay, out, lo, hi):
     """Gated DeltaNet after the conv, for T <= 16 rows, every step per value head fused (numpy's
     cpu_ops.CpuOps.deltanet runs ~20 array ops a layer here: ~0.5 ms of a 0.8B decode step's layer):
     q, k L2-normalised (q also by dk^-1/2), beta = sigmoid(b), g = decay_rate * softplus(a + dt_bias),
     the recurrence of delta_rule_rows, then the gated norm o * rsqrt(mean(o^2) + eps) * norm * silu(z).
 
     mixed [T, 2 Hk dk + Hv dv] (q | k | v after conv and SiLU); z [T, Hv, dv]; b, a [T, Hv];
-    S [Hv, dk, dv] the state before; states [T, Hv, dk, dv] after each row; out [T, Hv, dv];
-    value heads [lo, hi), head h reading key head h // per_key. fastmath vectorizes the norms' sums:
-    their order is fixed by dk and dv alone, so a row's bits are the same alone or among others."""
+    S [Hv, dk, dv] the state before; last [Hv, dk, dv] after the last row; k [T, Hv, dk], v [T, Hv, dv],
+    beta, decay [T, Hv]: receive the rule's inputs of each row (what delta_replay reads); out
+    [T, Hv, dv]; value heads [lo, hi), head h reading key head h // per_key. fastmath vectorizes the
+    norms' sums: their order is fixed by dk and dv alone, so a row's bits are the same alone or among others."""
     T, H, dv = z.shape
     dk = S.shape[1]
     Hk = H // per_key
-    # delta_rule_rows' inputs for all heads (this range's filled): its C-contiguous signature, reused
-    q, k, v = np.empty((T, H, dk), np.float32), np.empty((T, H, dk), np.float32), np.empty((T, H, dv), np.float32)
-    beta, log_decay, o = np.empty((T, H), np.float32), np.empty((T, H), np.float32), np.empty((T, H, dv), np.float32)
+    # delta_rule_rows' other inputs for all heads (this range's filled): its C-contiguous signature, reused
+    q, o = np.empty((T, H, dk), np.float32), np.empty((T, H, dv), np.float32)
     for h in range(lo, hi):
         key = h // per_key
         for t in range(T):
@@ -1125,8 +1161,9 @@ def deltanet_heads(mixed, z, b, a, decay_rate, dt_bias, norm, eps, per_key, S, s
                 v[t, h, j] = mixed[t, 2 * Hk * dk + h * dv + j]
             beta[t, h] = np.float32(1) / (np.float32(1) + np.exp(-b[t, h]))
             x = a[t, h] + dt_bias[h]
-            log_decay[t, h] = decay_rate[h] * (max(x, np.float32(0)) + np.log1p(np.exp(-abs(x))))  # softplus
-        delta_rule_rows(S, q, k, v, beta, log_decay, states, o, h, h + 1)
+            log_decay = decay_rate[h] * (max(x, np.float32(0)) + np.log1p(np.exp(-abs(x))))  # g: softplus
+            decay[t, h] = np.float32(np.exp(log_decay))
+        delta_rule_rows(S, q, k, v, beta, decay, last, o, h, h + 1)
         for t in range(T):
             total = np.float32(0)
             for j in range(dv):
@@ -2245,10 +2282,12 @@ def _model_kernel_steps() -> list[Callable[[], None]]:
                                                                                          BF16Linear(BF16Matrix(np.zeros((8, 256), np.uint16)))]
     steps = [lambda linear=linear: (linear(x1), linear(x4)) for linear in linears]
     vector, rows = np.zeros(2, np.float32), np.zeros((1, 2), np.float32)  # 2 value heads of 4, one key head
-    steps.append(lambda: split_kernel(deltanet_heads, (np.zeros((1, 16), np.float32), np.zeros((1, 2, 4), np.float32), rows, rows,
+    state, head_rows = np.zeros((2, 4, 4), np.float32), np.zeros((1, 2, 4), np.float32)  # [Hv, dk, dv], [T, Hv, dk or dv]
+    steps.append(lambda: split_kernel(deltanet_heads, (np.zeros((1, 16), np.float32), head_rows, rows, rows,
                                                        vector, vector, np.zeros(4, np.float32), np.float32(1e-6), 2,
-                                                       np.zeros((2, 4, 4), np.float32), np.zeros((1, 2, 4, 4), np.float32),
-                                                       np.zeros((1, 2, 4), np.float32)), 2, split=False))
+                                                       state, state.copy(), head_rows.copy(), head_rows.copy(), rows.copy(), rows.copy(),
+                                                       head_rows.copy()), 2, split=False))
+    steps.append(lambda: delta_replay(state, (head_rows, head_rows, rows, rows), 1))
     steps.append(lambda: rms_norm_rows(rows, vector, np.float32(1e-6), rows.copy()))
     steps.append(lambda: add_rms_norm_rows(rows, rows, vector, np.float32(1e-6), rows.copy(), rows.copy()))
     steps.append(lambda: qk_norm_rope_rows(np.zeros((1, 16), np.float32), 0, vector, vector, np.float32(1e-6), 0,

@@ -174,20 +174,24 @@ def _advance_conv(state: DeltaNetState, window: np.ndarray, T: int) -> None:
 
 
 def delta_rule_rows(q, k, v, beta, log_decay, state: DeltaNetState) -> np.ndarray:
-    """Token by token, keeping S after every row so a verify pass can roll back to any row (the
-    compiled path runs compiled.deltanet_heads instead, every per-head step fused)."""
-    state.row_states = []
-    rows = []
+    """Token by token, noting what a rollback to any row replays (state.ran_rows; the compiled path
+    runs compiled.deltanet_heads instead, every per-head step fused)."""
+    prior, decays, rows = state.recurrent, [], []
     for t in range(q.shape[0]):
-        rows.append(delta_rule_step(q[t], k[t], v[t], beta[t], log_decay[t], state))
-        state.row_states.append(state.recurrent)
+        decays.append(np.exp(log_decay[t]))  # a row at a time, as its own decode step computes it
+        state.recurrent = delta_update(state.recurrent, decays[-1], k[t], v[t], beta[t])
+        rows.append(np.einsum("hkv,hk->hv", state.recurrent, q[t]))
+    state.ran_rows(prior, (k, v, beta, np.stack(decays)), replay_rows)
     return np.stack(rows)
 
 
-def delta_rule_step(q, k, v, beta, log_decay, state: DeltaNetState) -> np.ndarray:
-    """One token: S = e^g S; u = beta (v - S^T k); S += k u^T; o = S^T q. q,k [Hv,dk], v [Hv,dv]."""
-    state.recurrent = delta_update(state.recurrent, np.exp(log_decay), k, v, beta)
-    return np.einsum("hkv,hk->hv", state.recurrent, q)
+def replay_rows(prior, row_inputs: tuple, rows: int) -> np.ndarray:
+    """The state after the first `rows` of delta_rule_rows' rows, from the state before them."""
+    k, v, beta, decay = row_inputs
+    S = prior
+    for t in range(rows):
+        S = delta_update(S, decay[t], k[t], v[t], beta[t])
+    return S
 
 
 def delta_update(S, decay, k, v, beta) -> np.ndarray:
@@ -561,15 +565,17 @@ class CpuOps:
         (DELTANET_SPLIT_MIN): ~20 numpy ops a layer took ~0.5 ms of a 0.8B step's layer."""
         T, hv, dv = z.shape
         dk = state.recurrent.shape[1]
-        states = np.empty((T, hv, dk, dv), np.float32)
+        last = np.empty(state.recurrent.shape, np.float32)
+        row_inputs = (np.empty((T, hv, dk), np.float32), np.empty((T, hv, dv), np.float32),
+                      np.empty((T, hv), np.float32), np.empty((T, hv), np.float32))  # k, v, beta, e^g
         out = np.empty((T, hv, dv), np.float32)
         f32 = [np.ascontiguousarray(x, dtype=np.float32) for x in (mixed, z, b, a)]
         vectors = [np.ascontiguousarray(x, dtype=np.float32) for x in (layer.decay_rate, layer.dt_bias, layer.norm)]
         eps = np.float32(layer.config.rms_norm_eps)
-        compiled.split_kernel(compiled.deltanet_heads, (*f32, *vectors, eps, per_key, state.recurrent, states, out), hv,
+        compiled.split_kernel(compiled.deltanet_heads, (*f32, *vectors, eps, per_key, state.recurrent, last, *row_inputs, out), hv,
                               split=T * hv * dk * dv >= DELTANET_SPLIT_MIN)
-        state.row_states = list(states)
-        state.recurrent = states[-1]
+        state.ran_rows(state.recurrent, row_inputs, compiled.delta_replay)
+        state.recurrent = last
         return out.reshape(T, hv * dv)
 
 

@@ -50,7 +50,7 @@ from threadpoolctl import threadpool_limits
 
 from duet.engine.backend import cpu, cpu_ops, select
 from duet.engine.backend.select import backend_name
-from duet.engine.cache import dequantize_q4, hadamard, quantize_q4
+from duet.engine.cache import DeltaNetState, dequantize_q4, hadamard, quantize_q4
 from duet.engine.checkpoint.safetensors import bf16_to_f32
 from duet.engine.flash_next import FlashCpuOps
 from duet.engine.kernels import build
@@ -764,7 +764,7 @@ def int8_swiglu(codec: str, width: int):
 
 def deltanet_keep(DK: int):
     """deltanet_keep_dk<DK>: block (head h, 32 value columns); S = prior, then rows 0 .. rows - 1 of
-    row_inputs by cpu_ops.delta_update, as delta_rule_step ran them in deltanet_rows."""
+    row_inputs by cpu_ops.delta_update, as delta_rule_rows ran them in deltanet_rows."""
 
     def run(grid, block, a):
         if block[0] != 128:
@@ -823,7 +823,8 @@ def deltanet_rows(DK: int):
         beta = cpu_ops.sigmoid(b)
         log_decay = take(a.decay_rate, Hv) * cpu_ops.softplus(raw_a + take(a.dt_bias, Hv))
         S = take(a.state, Hv, DK, DV)
-        state = SimpleNamespace(recurrent=S.copy())
+        state = DeltaNetState(1, 1, Hv, DK, DV)
+        state.recurrent = S.copy()
         v = conv[:, 2 * Hk * DK :].reshape(T, Hv, DV)
         o = cpu_ops.delta_rule_rows(q, k, v, beta, log_decay, state)
         take(a.out, T, Hv, DV)[:, :heads, :cols] = o[:, :heads, :cols]
@@ -833,7 +834,7 @@ def deltanet_rows(DK: int):
             if cols:  # a head's first column block writes its k, beta and e^g
                 inputs[:, :heads, :DK] = k[:, :heads]
                 inputs[:, :heads, DK + DV] = beta[:, :heads]
-                inputs[:, :heads, DK + DV + 1] = [np.exp(g)[:heads] for g in log_decay]  # as delta_rule_step, a row at a time
+                inputs[:, :heads, DK + DV + 1] = state.row_inputs[3][:, :heads]  # e^g as delta_rule_rows ran it
             inputs[:, :heads, DK : DK + cols] = v[:, :heads, :cols]
         S[:heads, :, :cols] = state.recurrent[:heads, :, :cols]
         slots = (P + np.arange(T)) % R

@@ -386,7 +386,7 @@ def test_deltanet_state_starts_empty():
     state = DeltaNetState(C, K, HV, DK, DV)
     assert state.conv.shape == (K - 1, C) and not state.conv.any() and state.conv.dtype == np.float32
     assert state.recurrent.shape == (HV, DK, DV) and not state.recurrent.any() and state.recurrent.dtype == np.float32
-    assert state.window is None and state.row_states == []
+    assert state.window is None and state.prior is None and state.row_inputs == ()
 
 
 def token_rows(token: int, position: int, kv: int, hd: int) -> np.ndarray:

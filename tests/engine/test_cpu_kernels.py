@@ -552,12 +552,13 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
         [compiled._w4a8_rows_loops, compiled._w4a8_bytes]
     w4a16 = compiled._w4a16_lanes if compiled.w4a16_kernels()[0] == "avx512" else compiled._w4a16_nibbles
     kernels = [*w4a8, w4a16, compiled._dense, compiled.deltanet_heads,
-               compiled.rms_norm_rows, compiled.add_rms_norm_rows, compiled.qk_norm_rope_rows, compiled.swiglu_rows, compiled.conv_rows, compiled.attend_rows, compiled.attend_q4_rows]
+               compiled.rms_norm_rows, compiled.add_rms_norm_rows, compiled.qk_norm_rope_rows, compiled.swiglu_rows, compiled.conv_rows, compiled.attend_rows, compiled.attend_q4_rows,
+               compiled._delta_replay]
     drivers = [compiled.parts_driver(kernel) for kernel in kernels[:5]]  # the same kernels split between threads
     # the sampler's: softmax into float32 (probabilities) and float64 (a pick), draws from either
     kernels += [compiled_sampling._top_k_columns, compiled_sampling._warp_rows, compiled_sampling.softmax_rows, compiled_sampling._draw_index]
     prepared = [len(kernel.signatures) for kernel in kernels + drivers]
-    assert prepared == [2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] + [1, 1, 2, 2] + [2, 1, 1, 1, 1]  # RowPlanes: f16 bits (Q4_0, Q8_0) and fp32 scales
+    assert prepared == [2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] + [1, 1, 2, 2] + [2, 1, 1, 1, 1]  # RowPlanes: f16 bits (Q4_0, Q8_0) and fp32 scales
     models = Path(__file__).parents[2] / "models"
     for path in (models / "demo", models / "demo_int4", models / "demo_gguf" / "demo-q8_0.gguf"):
         lm = load_model(path)

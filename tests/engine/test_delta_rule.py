@@ -81,19 +81,22 @@ def float64_recurrence(q, k, v, beta, log_decay, S):
 
 
 def compiled_rows(q, k, v, beta, log_decay, S0):
-    """compiled.delta_rule_rows over every head: (outputs [T, H, dv], states [T, H, dk, dv])."""
+    """compiled.delta_rule_rows over every head: (outputs [T, H, dv], the states after each row [T, H, dk,
+    dv]: the call's last, and the others as a rollback to that row makes them, compiled.delta_replay)."""
     T, H, _ = q.shape
-    states = np.empty((T, H, *S0.shape[1:]), np.float32)
+    last = np.empty(S0.shape, np.float32)
     out = np.empty((T, H, v.shape[2]), np.float32)
-    compiled.delta_rule_rows(S0, q, k, v, beta, log_decay, states, out, 0, H)
-    return out, states
+    decay = np.exp(log_decay)
+    compiled.delta_rule_rows(S0, q, k, v, beta, decay, last, out, 0, H)
+    states = [compiled.delta_replay(S0, (k, v, beta, decay), rows) for rows in range(1, T)]
+    return out, np.stack(states + [last])
 
 
 def test_compiled_rows_follow_the_recurrence_and_give_a_row_its_bits_alone():
     """The fused kernel (compiled.delta_rule_rows, what compiled.deltanet_heads runs) against float64:
     within what fp32 rounding of dk-term sums allows (128 terms of |S k| <= |S|; 1e-5 relative to |S|
-    after 4 rows); a row's output and state are the same bits alone as among verify rows, and a
-    head's whether it runs with the others or alone."""
+    after 4 rows); a row's output and state are the same bits alone as among verify rows (a rollback
+    replays its rows to the state the row left), and a head's whether it runs with the others or alone."""
     rng = np.random.default_rng(5)
     q, k, v, beta, log_decay = random_rule_inputs(rng, 4, 8, 128, -2.0)
     S0 = rng.standard_normal((8, 128, 128)).astype(np.float32)
@@ -103,12 +106,13 @@ def test_compiled_rows_follow_the_recurrence_and_give_a_row_its_bits_alone():
     assert np.abs(out - want).max() <= 1e-5 * scale
     for got, expected in zip(states, want_states):
         assert np.abs(got - expected).max() <= 1e-5 * scale
-    first, first_state = compiled_rows(q[:1], k[:1], v[:1], beta[:1], log_decay[:1], S0)
-    assert np.array_equal(first[0], out[0]) and np.array_equal(first_state[0], states[0])
-    split = np.empty_like(states), np.empty_like(out)
+    for rows in range(1, 4):  # the first rows alone: each row's output, and the state a rollback gives
+        alone, alone_states = compiled_rows(q[:rows], k[:rows], v[:rows], beta[:rows], log_decay[:rows], S0)
+        assert np.array_equal(alone, out[:rows]) and np.array_equal(alone_states[-1], states[rows - 1])
+    split = np.empty_like(S0), np.empty_like(out)
     for lo, hi in ((0, 3), (3, 8)):
-        compiled.delta_rule_rows(S0, q, k, v, beta, log_decay, split[0], split[1], lo, hi)
-    assert np.array_equal(split[0], states) and np.array_equal(split[1], out)
+        compiled.delta_rule_rows(S0, q, k, v, beta, np.exp(log_decay), split[0], split[1], lo, hi)
+    assert np.array_equal(split[0], states[-1]) and np.array_equal(split[1], out)
 
 
 def test_the_fused_deltanet_step_matches_numpys_and_gives_a_row_its_bits_alone(tmp_path):
@@ -139,4 +143,5 @@ def test_the_fused_deltanet_step_matches_numpys_and_gives_a_row_its_bits_alone(t
     assert np.abs(fused - numpy_out).max() <= 1e-5 * np.abs(numpy_out).max()
     assert np.abs(fused_state.recurrent - numpy_state.recurrent).max() <= 1e-5 * np.abs(numpy_state.recurrent).max()
     first, first_state = run(slice(0, 1), "compiled")
-    assert np.array_equal(first[0], fused[0]) and np.array_equal(first_state.recurrent, fused_state.row_states[0])
+    fused_state.keep(1)
+    assert np.array_equal(first[0], fused[0]) and np.array_equal(first_state.recurrent, fused_state.recurrent)
