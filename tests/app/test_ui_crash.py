@@ -24,12 +24,12 @@ DRIVER = textwrap.dedent("""
     from duet.app.session import EngineChoices, Launch
     from duet.app.ui.app import DuetApp
 
-    async def until(pilot, condition, seconds=30):
+    async def until(pilot, condition, what, seconds=30):
         for _ in range(int(seconds / 0.05)):
             if condition():
                 return
             await pilot.pause(0.05)
-        raise SystemExit("timed out")
+        raise SystemExit(f"timed out waiting for {what}")
 
     async def drive():
         launch = Launch(Path(sys.argv[1]), choices=EngineChoices(draft="none"))
@@ -37,15 +37,15 @@ DRIVER = textwrap.dedent("""
         async with app.run_test(size=(120, 40)) as pilot:
             screen = app.screen
             # a fresh clone compiles the CPU kernels first (about 30 s on two busy cores)
-            await until(pilot, lambda: screen.host.lm is not None, seconds=240)
+            await until(pilot, lambda: screen.host.lm is not None, "the model", seconds=240)
             for text in ("first message", "second message"):
                 screen.query_one("#prompt", Input).value = text
                 await pilot.press("enter")
-                await until(pilot, lambda: not screen.streaming)
+                await until(pilot, lambda: not screen.streaming, f"the reply to {text!r} to end")
             app.config.max_tokens = 1_000_000  # the third reply streams until killed (see CONTEXT)
             screen.query_one("#prompt", Input).value = "third message"
             await pilot.press("enter")
-            await until(pilot, lambda: screen.streaming and screen.reply_view.text)
+            await until(pilot, lambda: screen.streaming and screen.reply_view.text, "the third reply to stream")
             print("STREAMING", flush=True)
             await asyncio.sleep(60)
 
@@ -65,13 +65,16 @@ def test_sigkill_mid_reply_loses_no_completed_message(tmp_path, monkeypatch):
     (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     monkeypatch.setenv("DUET_HOME", str(tmp_path / "home"))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    app = subprocess.Popen([sys.executable, "-c", DRIVER, str(model), "6"], stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, env=env)
-    try:
-        assert app.stdout.readline() == b"STREAMING\n"
-    finally:
-        app.send_signal(signal.SIGKILL)
-        app.wait(timeout=10)
+    log = tmp_path / "driver.log"  # the driver's stderr: why it stopped, when it stops before streaming
+    with open(log, "wb") as stderr:
+        app = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", DRIVER, str(model), "6"],
+                               stdout=subprocess.PIPE, stderr=stderr, env=env)
+        try:
+            said = app.stdout.readline()
+            assert said == b"STREAMING\n", f"the driver said {said!r}, exit {app.poll()}; its stderr ends:\n{log.read_text()[-3000:]}"
+        finally:
+            app.send_signal(signal.SIGKILL)
+            app.wait(timeout=10)
 
     database = user_paths().database
     with sqlite3.connect(database) as db:
