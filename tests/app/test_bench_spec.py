@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from duet.app.cli import main
 
 
@@ -20,6 +22,10 @@ def test_spec_bench_reports_each_drafter_and_rule(capsys, tiny_model_dir):
         assert len(run["decode_tok_s_runs"]) == 3 and run["decode_tok_s"] == sorted(run["decode_tok_s_runs"])[1]  # the median
         assert run["decode_tok_s"] > 0
         assert abs(run["speedup"] - run["decode_tok_s"] / baseline) < 0.01
+        baseline_runs = runs[(prompt, "none", "exact")]["decode_tok_s_runs"]  # each round against its own run without drafts
+        assert run["speedup_runs"] == [pytest.approx(t / b, abs=2e-3) for t, b in zip(run["decode_tok_s_runs"], baseline_runs)]
+        low, high = run["speedup_quartiles"]
+        assert min(run["speedup_runs"]) <= low <= sorted(run["speedup_runs"])[1] <= high <= max(run["speedup_runs"])
         assert run["tokens_per_cycle"] >= 1.0
 
 
