@@ -1115,7 +1115,8 @@ def _delta_replay(prior, k, v, beta, decay, rows, S):
     """S = prior after rows [0, rows) of delta_rule_rows (their outputs unread: k stands in for q)."""
     update, between = np.empty(v.shape[2], np.float32), np.empty(prior.shape[1:], np.float32)
     out = np.empty((rows, prior.shape[0], v.shape[2]), np.float32)
-    S[:] = prior
+    if rows == 0:
+        S[:] = prior
     for h in range(prior.shape[0]):
         _delta_rows(prior, k, k, v, beta, decay, h, rows, S, between, update, out)
 
