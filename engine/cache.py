@@ -187,8 +187,10 @@ class DeltaNetState:
     def ran_rows(self, prior: np.ndarray, row_inputs: tuple, replay) -> None:
         """Note what a row-by-row call started from and fed the rule: prior [Hv, dk, dv]; row_inputs
         (k [T, Hv, dk], v [T, Hv, dv], beta [T, Hv], decay = e^g [T, Hv]); replay(prior, row_inputs,
-        rows) -> the state after the first `rows` rows, bit for bit as the call computed it."""
-        self.prior, self.row_inputs, self.replay = prior, row_inputs, replay
+        rows) -> the state after the first `rows` rows, bit for bit as the call computed it. A call of
+        one row keeps no prior (a rollback keeps at least a row): a decode step holds one state, not two."""
+        self.prior = prior if len(row_inputs[0]) > 1 else None
+        self.row_inputs, self.replay = row_inputs, replay
 
     def keep(self, rows: int) -> None:
         """Make the state after the first `rows` rows of the last call current."""

@@ -382,6 +382,17 @@ def test_deltanet_keep_equals_the_run_that_only_saw_the_kept_rows():
         assert np.array_equal(rolled.recurrent, reference.recurrent)
 
 
+def test_a_decode_step_holds_one_recurrent_state_and_a_verify_pass_the_one_before_it_too():
+    """What a rollback needs is kept only where one can happen: a one-row call keeps no prior state
+    (the 27B geometry's 48 layers would hold 144 MB more), a longer call the state it started from."""
+    state, inputs = DeltaNetState(C, K, HV, DK, DV), deltanet_inputs(np.random.default_rng(6), 3)
+    run_deltanet(state, inputs, slice(0, 1))
+    assert state.prior is None
+    before = state.recurrent
+    run_deltanet(state, inputs, slice(1, 3))
+    assert state.prior is before
+
+
 def test_deltanet_state_starts_empty():
     state = DeltaNetState(C, K, HV, DK, DV)
     assert state.conv.shape == (K - 1, C) and not state.conv.any() and state.conv.dtype == np.float32
