@@ -764,18 +764,17 @@ def int8_swiglu(codec: str, width: int):
 
 def deltanet_keep(DK: int):
     """deltanet_keep_dk<DK>: block (head h, 32 value columns); S = prior, then rows 0 .. rows - 1 of
-    row_inputs by cpu_ops.delta_update, as delta_rule_rows ran them in deltanet_rows."""
+    row_inputs replayed as the CPU's reference replays its own (cpu_ops.replay_rows), as delta_rule_rows
+    ran them in deltanet_rows."""
 
     def run(grid, block, a):
         if block[0] != 128:
             raise ValueError("deltanet_keep: four threads per value column, 32 columns: blocks of 128")
         Hv, DV, rows = int(a.Hv), int(a.DV), int(a.rows)
         heads, cols = min(Hv, grid[0]), min(DV, 32 * grid[1])
-        S = take(a.prior, Hv, DK, DV).copy()
-        inputs = take(a.row_inputs, rows, Hv, DK + DV + 2)
-        for t in range(rows):
-            row = inputs[t]
-            S = cpu_ops.delta_update(S, row[:, DK + DV + 1], row[:, :DK], row[:, DK : DK + DV], row[:, DK + DV])
+        inputs = take(a.row_inputs, rows, Hv, DK + DV + 2)  # per row and head: k | v | beta | e^g
+        row_inputs = (inputs[..., :DK], inputs[..., DK : DK + DV], inputs[..., DK + DV], inputs[..., DK + DV + 1])
+        S = cpu_ops.replay_rows(take(a.prior, Hv, DK, DV), row_inputs, rows)
         take(a.state, Hv, DK, DV)[:heads, :, :cols] = S[:heads, :, :cols]
 
     return run
