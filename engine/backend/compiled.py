@@ -1113,7 +1113,8 @@ def _delta_rows(S, q, k, v, beta, decay, h, rows, last, between, update, out):
 @kernel_jit()
 def _delta_replay(prior, k, v, beta, decay, rows, S):
     """S = prior after rows [0, rows) of delta_rule_rows (their outputs unread: k stands in for q)."""
-    update, between = np.empty(v.shape[2], np.float32), np.empty(prior.shape[1:], np.float32)
+    update = np.empty(v.shape[2], np.float32)
+    between = np.empty((prior.shape[1] if rows > 1 else 0, v.shape[2]), np.float32)  # as delta_rule_rows': one row never reads it
     out = np.empty((rows, prior.shape[0], v.shape[2]), np.float32)
     if rows == 0:
         S[:] = prior
