@@ -186,6 +186,29 @@ def unit_scales(row, scratch):
     return row if row.dtype == np.float32 else row.view(np.float16).astype(np.float32)
 
 
+def group_scales(scale, minimum, block_scales, g, fold, scratch, unit_scale, unit_minimum):
+    """RowPlanes group g's unit scales and minima as fp32 [U * 16] (unit v's row r at v * 16 + r):
+    unit_scales of scale[g] and no minimum, or for K-quant codes (int8 scale) k_unit_scales into
+    unit_scale and unit_minimum. Compiled per dtype (numba's overload below); this plain version
+    serves numpy callers and tests. scratch uint32 [>= U * 16]."""
+    if scale.dtype == np.int8:
+        return k_unit_scales(scale[g], minimum[g], block_scales[g], fold, scratch, unit_scale, unit_minimum)
+    return unit_scales(scale[g], scratch[: scale.shape[1]]), unit_minimum[:0]
+
+
+@kernel_jit(inline="always")
+def k_unit_scales(codes, minimum_codes, block_scales, fold, scratch, unit_scale, unit_minimum):
+    """A K-quant group's unit scales and minima from the codes RowPlanes keeps of them (as the file
+    holds them: a block's f16 d and dmin, a 6-bit or int8 code a unit): unit_scale[v * 16 + r] =
+    fp32(d) * code and unit_minimum likewise from dmin, less 8 unit scales where `fold` (Q4_K: its
+    nibbles' - 8 comes back through the minimum); the fp32 products the codec makes, so its bits.
+    codes, minimum_codes int8 [U * 16] (minimum_codes [0]: none); block_scales uint16 [B * 32], block
+    b's d of row r at 32 b + r, its dmin at 32 b + 16 + r. Returns (unit_scale, unit_minimum or [0])."""
+    d = unit_scales(block_scales, scratch[: block_scales.shape[0]])
+    k_scale_products(codes, minimum_codes, d, fold, unit_scale, unit_minimum)
+    return unit_scale, unit_minimum[: minimum_codes.shape[0]]
+
+
 @kernel_jit()
 def decode_f16_bits(row, scratch):
     """f16 bits -> fp32 (scratch uint32 [n], returned seen as fp32), exactly, in integer arithmetic:
@@ -262,6 +285,63 @@ if _numba:
             return widen
 
         return lambda row, scratch: decode_f16_bits(row, scratch)
+
+    @overload(group_scales, jit_options={"nogil": True})
+    def _group_scales_compiled(scale, minimum, block_scales, g, fold, scratch, unit_scale, unit_minimum):
+        if scale.dtype == _numba.types.int8:
+            return lambda scale, minimum, block_scales, g, fold, scratch, unit_scale, unit_minimum: k_unit_scales(
+                scale[g], minimum[g], block_scales[g], fold, scratch, unit_scale, unit_minimum)
+        return lambda scale, minimum, block_scales, g, fold, scratch, unit_scale, unit_minimum: (
+            unit_scales(scale[g], scratch[: scale.shape[1]]), unit_minimum[:0])
+
+    @intrinsic
+    def k_scale_products(typingctx, codes, minimum_codes, d, fold, unit_scale, unit_minimum):
+        """In compiled code, k_unit_scales' products a unit at a time, its 16 rows one vector each:
+        unit_scale[16 v + r] = d[32 b + r] * fp32(codes[16 v + r]) for unit v of block b (v //
+        (units / blocks)), and where minimum_codes is not empty unit_minimum[16 v + r] = d[32 b + 16 +
+        r] * fp32(minimum_codes[16 v + r]), less 8 * unit_scale[16 v + r] where `fold`: a multiply
+        (and a subtract) a value, rounded as numpy rounds each. codes, minimum_codes int8 [U * 16];
+        d fp32 [B * 32]; unit_scale, unit_minimum fp32 [U * 16]: C arrays. (numba's loops for this
+        did not vectorize: ~0.5 us a 1024-input group, more than the group's dots at one row.)"""
+        types = _numba.types
+        if (codes.dtype, minimum_codes.dtype, d.dtype, unit_scale.dtype, unit_minimum.dtype) != (
+                types.int8, types.int8, types.float32, types.float32, types.float32):
+            return None
+        signature = types.void(codes, minimum_codes, d, fold, unit_scale, unit_minimum)
+
+        def codegen(context, builder, signature, args):
+            from numba.core import cgutils
+
+            ir = llvmlite.ir
+            intp = context.get_value_type(types.intp)
+            const = lambda v: ir.Constant(intp, v)  # noqa: E731
+            floats, int8s = ir.VectorType(ir.FloatType(), ROWS), ir.VectorType(ir.IntType(8), ROWS)
+            C, M, D, S, Mo = (context.make_array(t)(context, builder, v) for t, v in
+                              zip((signature.args[i] for i in (0, 1, 2, 4, 5)), (args[i] for i in (0, 1, 2, 4, 5))))
+            fold_v = context.cast(builder, args[3], signature.args[3], types.boolean)
+            units = builder.sdiv(cgutils.unpack_tuple(builder, C.shape, 1)[0], const(ROWS))
+            blocks = builder.sdiv(cgutils.unpack_tuple(builder, D.shape, 1)[0], const(2 * ROWS))
+            per_block = builder.sdiv(units, blocks)
+            has_minimum = builder.icmp_signed(">", cgutils.unpack_tuple(builder, M.shape, 1)[0], const(0))
+            eight = ir.Constant(floats, [8.0] * ROWS)
+
+            def vector(array, at, kind):
+                return builder.load(builder.bitcast(builder.gep(array.data, [at]), kind.as_pointer()), align=1 if kind is int8s else 4)
+
+            with cgutils.for_range(builder, blocks) as block_loop:
+                at_d = builder.mul(block_loop.index, const(2 * ROWS))
+                d_scale, d_minimum = vector(D, at_d, floats), vector(D, builder.add(at_d, const(ROWS)), floats)
+                with cgutils.for_range(builder, per_block) as loop:
+                    at = builder.mul(builder.add(builder.mul(block_loop.index, per_block), loop.index), const(ROWS))
+                    scale = builder.fmul(d_scale, builder.sitofp(vector(C, at, int8s), floats))
+                    builder.store(scale, builder.bitcast(builder.gep(S.data, [at]), floats.as_pointer()), align=4)
+                    with builder.if_then(has_minimum):
+                        low = builder.fmul(d_minimum, builder.sitofp(vector(M, at, int8s), floats))
+                        low = builder.select(fold_v, builder.fsub(low, builder.fmul(eight, scale)), low)
+                        builder.store(low, builder.bitcast(builder.gep(Mo.data, [at]), floats.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return signature, codegen
 
     @intrinsic
     def as_float32(typingctx, bits):
@@ -770,35 +850,36 @@ ROWS_TILE = 8 if QUAD_FAMILY == "vnni" else 2
 
 
 @kernel_jit(inline="always")
-def _rows_minimum(minimum, g, x_sum, x_scale, out, T, rows, total):
-    """For RowPlanes with a minimum (Q4_K, Q5_K; [G, 0] else): out[t, 16 g + r] -= the sum over units v,
-    in order, of (fp32(x_sum[t, v]) * x_scale[t, v]) * minimum[g, v * 16 + r]; total fp32 [16] is
-    scratch (the 16 rows' sums grow side by side, one vector). Both _w4a8_rows kernels run this same
-    code, so their bits stay equal."""
-    U = x_sum.shape[1] if minimum.shape[1] else 0
+def _rows_minimum(group_minimum, g, x_sum, x_scale, out, T, rows, total):
+    """For RowPlanes with a minimum (Q4_K, Q5_K; group_minimum is group g's from group_scales, [0]
+    else): out[t, 16 g + r] -= the sum over units v, in order, of (fp32(x_sum[t, v]) * x_scale[t, v])
+    * group_minimum[v * 16 + r]; total fp32 [16] is scratch (the 16 rows' sums grow side by side, one
+    vector). Both _w4a8_rows kernels run this same code, so their bits stay equal."""
+    U = x_sum.shape[1] if group_minimum.shape[0] else 0
     for t in range(T if U else 0):
         total[:] = 0
         for v in range(U):
             unit = np.float32(x_sum[t, v]) * x_scale[t, v]
             for r in range(ROWS):
-                total[r] = total[r] + unit * minimum[g, v * ROWS + r]
+                total[r] = total[r] + unit * group_minimum[v * ROWS + r]
         for r in range(rows):
             out[t, g * ROWS + r] -= total[r]
 
 
 @kernel_jit()
-def _w4a8_rows(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
+def _w4a8_rows(codes, scale, minimum, block_scales, q, x_sum, x_scale, out, lo, hi):
     """W4 and GGUF blocks on w4a8 through rows_tile (int8_dot_kernels' "vnni" or "avx2"): groups [lo, hi)
-    of RowPlanes' codes, scale [G, U * 16] (fp32, or the blocks' f16 bits) and minimum (_rows_minimum)
+    of RowPlanes' codes, scale, minimum and block_scales (decoded a group at a time: group_scales)
     against q int8 [T, K] (the activation levels as they are), x_sum int32 [T, U], x_scale fp32
     [T, U], into out [T, N]. Every token row of the call runs on a group's 16 rows (8 KB of Q4_0
     codes at K = 1024, in L1) before the next group, so a prefill reads each weight once; per token
     row _w4a8_rows_loops' bits."""
     T, N = out.shape
     acc, total = np.empty((ROWS_TILE, ROWS), np.float32), np.empty(ROWS, np.float32)
-    scratch = np.empty(scale.shape[1], np.uint32)
+    scratch, unit_scale, unit_minimum = np.empty(scale.shape[1], np.uint32), np.empty(scale.shape[1], np.float32), np.empty(scale.shape[1], np.float32)
+    fold = codes.shape[1] == 256 * x_sum.shape[1]  # nibbles (or Q6_K's bytes, which have no minimum)
     for g in range(lo, hi):
-        group_scale = unit_scales(scale[g], scratch)
+        group_scale, group_minimum = group_scales(scale, minimum, block_scales, g, fold, scratch, unit_scale, unit_minimum)
         rows = min(ROWS, N - g * ROWS)
         t = 0
         while t < T:
@@ -815,14 +896,14 @@ def _w4a8_rows(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
                 for r in range(rows):
                     out[t + i, g * ROWS + r] = acc[i, r]
             t += tile
-        _rows_minimum(minimum, g, x_sum, x_scale, out, T, rows, total)
+        _rows_minimum(group_minimum, g, x_sum, x_scale, out, T, rows, total)
 
 
 @kernel_jit()
-def _w4a8_rows_loops(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
+def _w4a8_rows_loops(codes, scale, minimum, block_scales, q, x_sum, x_scale, out, lo, hi):
     """_w4a8_rows in plain loops (the "generic" family), the same numbers in the same order: per
     token row t and weight row n = 16 g + r, total = 0, then for each unit v in order total +=
-    fp32(dot - offset x_sum[t, v]) * (scale[g, v * 16 + r] * x_scale[t, v]), dot the unit's 32
+    fp32(dot - offset x_sum[t, v]) * (unit scale v of row n (group_scales) * x_scale[t, v]), dot the unit's 32
     (Q6_K: 16) products of stored code x level, exact in int32. Nibbles (offset 8): byte (v, p, r,
     s) of a group holds positions 4p + s (low) and 16 + 4p + s (high); bytes (offset 0 here, where
     levels are stored as they are): byte (v, p, r, s) position 4p + s, p < inputs / 4."""
@@ -831,8 +912,9 @@ def _w4a8_rows_loops(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
     inputs = q.shape[1] // U  # a unit's: 32, or Q6_K's 16
     nibbles = codes.shape[1] == 256 * U and inputs == 32
     scratch, unit_total = np.empty(scale.shape[1], np.uint32), np.empty(ROWS, np.float32)
+    unit_scale, unit_minimum = np.empty(scale.shape[1], np.float32), np.empty(scale.shape[1], np.float32)
     for g in range(lo, hi):
-        group_scale = unit_scales(scale[g], scratch)
+        group_scale, group_minimum = group_scales(scale, minimum, block_scales, g, nibbles, scratch, unit_scale, unit_minimum)
         c = codes[g]
         for t in range(T):
             for r in range(min(ROWS, N - g * ROWS)):
@@ -852,7 +934,7 @@ def _w4a8_rows_loops(codes, scale, minimum, q, x_sum, x_scale, out, lo, hi):
                     term = np.float32(dot) * (group_scale[v * ROWS + r] * x_scale[t, v])
                     total = total + term
                 out[t, g * ROWS + r] = total
-        _rows_minimum(minimum, g, x_sum, x_scale, out, T, min(ROWS, N - g * ROWS), unit_total)
+        _rows_minimum(group_minimum, g, x_sum, x_scale, out, T, min(ROWS, N - g * ROWS), unit_total)
 
 
 @kernel_jit()
@@ -1763,15 +1845,21 @@ class RowPlanes:
            + QUAD_BIAS as this CPU's rows_tile reads it): byte v * 16 unit + p * 64 + r * 4 + s is
            position 4p + s, Q8_0's block byte 2 + 4p + s
     scale  [G, U * 16]: unit v's scale of row 16 g + r at v * 16 + r; Q4_0's and Q8_0's f16 bits as
-           their blocks hold them, or fp32 (W4's bf16 group scale for each of its units, a K-quant's
-           or IQ4_XS's sub-block scale)
-    minimum fp32 [G, U * 16] for Q4_K and Q5_K (weight = scale x level - minimum), else [G, 0]
+           their blocks hold them, fp32 (W4's bf16 group scale for each of its units, IQ4_XS's
+           sub-block scale), or a K-quant's sub-block scale code (int8: Q4_K's and Q5_K's 6 bits,
+           Q6_K's int8), multiplied by its block's d as a group is used (group_scales)
+    minimum int8 [G, U * 16] for Q4_K and Q5_K: the minimum's code, times dmin (weight = scale x
+           level - minimum), else [G, 0]
+    block_scales uint16 [G, B * 32] for K-quants: block b's f16 d of row 16 g + r at 32 b + r, dmin
+           at 32 b + 16 + r, else [G, 0]. A K-quant's scales so take ~1/16 of a byte a weight, as in
+           its file (fp32 products took 1/4 to 1/2 a byte: the planes of a Q4_K_M file 1.41x its bytes, 1.15x so)
     unit   inputs a unit (one scale) holds: 32, or Q6_K's 16 (bytes [G, U * 256], 4 quads a unit)
     Rows past N (the last group's padding) have level 0 and scale 0."""
 
     codes: np.ndarray
     scale: np.ndarray
     minimum: np.ndarray
+    block_scales: np.ndarray
     rows: int
     nibbles: bool
     unit: int
@@ -1782,11 +1870,12 @@ class RowPlanes:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.minimum.nbytes
+        return self.codes.nbytes + self.scale.nbytes + self.minimum.nbytes + self.block_scales.nbytes
 
     def leading(self, groups: int) -> RowPlanes:
         """The first `groups` groups alone (views, no copy)."""
-        return replace(self, codes=self.codes[:groups], scale=self.scale[:groups], minimum=self.minimum[:groups], rows=groups * ROWS)
+        return replace(self, codes=self.codes[:groups], scale=self.scale[:groups], minimum=self.minimum[:groups],
+                       block_scales=self.block_scales[:groups], rows=groups * ROWS)
 
 
 def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
@@ -1799,10 +1888,11 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
     U, G = K // unit, -(-N // ROWS)
     as_stored = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_0", "Q8_0")
     nibbles = isinstance(weight, W4Weight) or weight.qtype.name in ("Q4_0", "Q4_K")  # Q4_K: its 0..15 levels as they are
+    k_quant = isinstance(weight, BlockMatrix) and weight.qtype.name in K_QUANT_KINDS
     codes = np.empty((G, U * (256 if nibbles else 16 * unit)), np.uint8)
-    scale = np.empty((G, U * ROWS), np.uint16 if as_stored else np.float32)
-    has_minimum = isinstance(weight, BlockMatrix) and weight.qtype.name in ("Q4_K", "Q5_K")
-    minimum = np.empty((G, U * ROWS if has_minimum else 0), np.float32)
+    scale = np.empty((G, U * ROWS), np.uint16 if as_stored else np.int8 if k_quant else np.float32)
+    minimum = np.empty((G, U * ROWS if k_quant and weight.qtype.name != "Q6_K" else 0), np.int8)
+    block_scales = np.empty((G, K // 256 * 2 * ROWS if k_quant else 0), np.uint16)
     step = max(1, REPACK_ROWS_WEIGHTS // K // ROWS)  # groups at a time
 
     def by_group(values: np.ndarray, pad: int, fill) -> np.ndarray:
@@ -1823,8 +1913,8 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
             start, stop = first * ROWS, min(N, last * ROWS)
             if as_stored:
                 _blocks_to_rows(raw, codes, scale, first, last, 0 if nibbles else flip, 0x88 if nibbles else flip)
-            elif isinstance(weight, BlockMatrix) and weight.qtype.name in K_QUANT_KINDS:
-                _k_blocks_to_rows(raw, K_QUANT_KINDS[weight.qtype.name], codes, scale, minimum, first, last, flip)
+            elif k_quant:
+                _k_blocks_to_rows(raw, K_QUANT_KINDS[weight.qtype.name], codes, scale, minimum, block_scales, first, last, flip)
             else:
                 by_unit, unit_scale = _units(weight, start, stop, unit, nibbles)  # [r, positions, U], [r, U]
                 pad = (last - first) * ROWS - (stop - start)
@@ -1837,7 +1927,7 @@ def repack_rows(weight: W4Weight | BlockMatrix, flip: int = 0) -> RowPlanes:
                 release_file_pages(weight.raw[start:stop])
 
     in_parallel(chunks, -(-G // step))
-    return RowPlanes(codes, scale, minimum, N, nibbles, unit)
+    return RowPlanes(codes, scale, minimum, block_scales, N, nibbles, unit)
 
 
 @kernel_jit()
@@ -1865,13 +1955,14 @@ K_QUANT_KINDS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}  # _k_blocks_to_rows' kind
 
 
 @kernel_jit()
-def _k_blocks_to_rows(raw, kind, codes, scale, minimum, first, last, flip):
+def _k_blocks_to_rows(raw, kind, codes, scale, minimum, block_scales, first, last, flip):
     """Q4_K, Q5_K or Q6_K blocks (kind 0, 1, 2; layouts: engine/quant/gguf_blocks.py) [N, B * type size]
     -> RowPlanes of groups [first, last), as repack_rows' codec path lays them (a unit is a sub-block):
-    Q4_K's 0..15 levels as nibbles (positions j and 16 + j of a unit in byte j), its minimum less 8
-    scales; Q5_K's and Q6_K's levels (Q6_K's q - 32) a byte each, xor flip; fp32 scale d * sc (and
-    minimum dmin * m), each an fp32 product as the codec makes it. Rows past N: level 0, scale 0.
-    One pass over the file's bytes: the codec path decoded to fp32 levels and reordered them in numpy."""
+    Q4_K's 0..15 levels as nibbles (positions j and 16 + j of a unit in byte j); Q5_K's and Q6_K's
+    levels (Q6_K's q - 32) a byte each, xor flip; each unit's scale code (and minimum code) and each
+    block's f16 d (and dmin) bits as the block holds them (k_unit_scales multiplies them as the codec
+    does). Rows past N: level 0, scale 0. One pass over the file's bytes: the codec path decoded to
+    fp32 levels and reordered them in numpy."""
     N = raw.shape[0]
     unit = 16 if kind == 2 else 32
     U = scale.shape[1] // ROWS
@@ -1879,21 +1970,24 @@ def _k_blocks_to_rows(raw, kind, codes, scale, minimum, first, last, flip):
     blocks = U // per_block
     size = raw.shape[1] // blocks
     levels = np.empty(256, np.int32)
-    d_bits, scratch = np.empty(2, np.uint16), np.empty(2, np.uint32)
-    sc, mn = np.empty(8, np.int32), np.empty(8, np.int32)
+    sc, mn = np.zeros(16, np.int32), np.zeros(8, np.int32)
     for g in range(first, last):
         for r in range(ROWS):
             n = g * ROWS + r
             for b in range(blocks):
                 block = raw[n, b * size : (b + 1) * size] if n < N else raw[0, 0:size]
+                d_at, dmin_at = (208, 0) if kind == 2 else (0, 2)  # the f16 d's (and dmin's) bytes
                 if n >= N:  # as the codec path pads: nibbles 0x88 (the kernels' - 8 leaves 0), bytes level 0
                     levels[:] = 8 if kind == 0 else 0
+                    sc[:], mn[:] = 0, 0
                 elif kind == 2:  # Q6_K: ql[128] | qh[64] | scales int8[16] | d
                     for e in range(256):
                         h, half, byte = e // 128, (e % 128) // 64, e % 64
                         low = (np.int32(block[64 * h + byte]) >> (4 * half)) & 15
                         high = (np.int32(block[128 + 32 * h + e % 32]) >> (2 * ((e % 128) // 32))) & 3
                         levels[e] = (low | (high << 4)) - 32
+                    for j in range(16):
+                        sc[j] = np.int32(np.int8(block[192 + j]))
                 else:  # Q4_K / Q5_K: d | dmin | scales[12] | (Q5_K: qh[32]) | qs[128]
                     qs = 16 if kind == 0 else 48
                     for e in range(256):
@@ -1901,30 +1995,19 @@ def _k_blocks_to_rows(raw, kind, codes, scale, minimum, first, last, flip):
                         levels[e] = (np.int32(block[qs + 32 * (sub // 2) + i]) >> (4 * (sub % 2))) & 15
                         if kind == 1:
                             levels[e] |= ((np.int32(block[16 + i]) >> sub) & 1) << 4
-                if n < N:
-                    if kind == 2:
-                        d_bits[0] = np.uint16(block[208]) | (np.uint16(block[209]) << np.uint16(8))
-                    else:
-                        for j in range(2):
-                            d_bits[j] = np.uint16(block[2 * j]) | (np.uint16(block[2 * j + 1]) << np.uint16(8))
-                        for j in range(4):  # k_scale_min's 6-bit fields
-                            sc[j], mn[j] = np.int32(block[4 + j]) & 63, np.int32(block[8 + j]) & 63
-                            sc[4 + j] = (np.int32(block[12 + j]) & 15) | ((np.int32(block[4 + j]) >> 2) & 48)
-                            mn[4 + j] = (np.int32(block[12 + j]) >> 4) | ((np.int32(block[8 + j]) >> 2) & 48)
-                    d = unit_scales(d_bits, scratch)
+                    for j in range(4):  # k_scale_min's 6-bit fields
+                        sc[j], mn[j] = np.int32(block[4 + j]) & 63, np.int32(block[8 + j]) & 63
+                        sc[4 + j] = (np.int32(block[12 + j]) & 15) | ((np.int32(block[4 + j]) >> 2) & 48)
+                        mn[4 + j] = (np.int32(block[12 + j]) >> 4) | ((np.int32(block[8 + j]) >> 2) & 48)
+                d_bits = np.uint16(block[d_at]) | (np.uint16(block[d_at + 1]) << np.uint16(8))
+                dmin_bits = np.uint16(block[dmin_at]) | (np.uint16(block[dmin_at + 1]) << np.uint16(8))
+                block_scales[g, 2 * b * ROWS + r] = d_bits if n < N else 0
+                block_scales[g, (2 * b + 1) * ROWS + r] = dmin_bits if n < N and kind != 2 else 0
                 for j in range(per_block):
                     v = b * per_block + j
-                    if n >= N:
-                        scale[g, v * ROWS + r] = 0
-                        if kind != 2:
-                            minimum[g, v * ROWS + r] = 0
-                    elif kind == 2:
-                        scale[g, v * ROWS + r] = d[0] * np.float32(np.int8(block[192 + j]))
-                    else:
-                        unit_scale = d[0] * np.float32(sc[j])
-                        scale[g, v * ROWS + r] = unit_scale
-                        low = d[1] * np.float32(mn[j])
-                        minimum[g, v * ROWS + r] = low - np.float32(8) * unit_scale if kind == 0 else low
+                    scale[g, v * ROWS + r] = sc[j]
+                    if kind != 2:
+                        minimum[g, v * ROWS + r] = mn[j]
                     for p in range(unit // 4 if kind != 0 else 4):
                         for q in range(4):
                             if kind == 0:  # nibbles: positions 4p + q (low) and 16 + 4p + q (high) of unit v
@@ -2013,7 +2096,7 @@ class W4A8Linear(PlanesLinear):
     def launch(self, prepared, out: np.ndarray):
         """(kernel, args): the kernel runs kernel(*args, lo, hi) over groups [lo, hi), as TiledLinear's."""
         p = self.planes
-        return self.kernel, (p.codes, p.scale, p.minimum, *prepared, out)
+        return self.kernel, (p.codes, p.scale, p.minimum, p.block_scales, *prepared, out)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         out = np.empty((x.shape[0], self.planes.rows), np.float32)
@@ -2279,7 +2362,7 @@ def _model_kernel_steps() -> list[Callable[[], None]]:
 
     w4 = W4Weight(np.zeros((8, 32), np.uint32), np.zeros((8, 2), np.uint16))
     trellis = TrellisWeight(np.zeros((32, 32), np.uint8), np.ones(16, np.float32), (16, 256), 2, 0)  # 32 tiles of 16 x 8, 2 bits
-    # each kernel for each scale dtype it meets: f16 bits (Q4_0, Q8_0) and fp32 (IQ4_XS, Q4_K, W4, Q6_K)
+    # each kernel for each scale dtype it meets: f16 bits (Q4_0, Q8_0), fp32 (IQ4_XS, W4) and codes (Q4_K, Q6_K)
     linears = [W4A8Linear(blocks(name)) for name in ("Q4_0", "IQ4_XS", "Q8_0", "Q4_K", "Q6_K")] + [W4A8Linear(w4), TrellisLinear(trellis), w4a16_linear(w4), DenseLinear(x4),
                                                                                          BF16Linear(BF16Matrix(np.zeros((8, 256), np.uint16)))]
     steps = [lambda linear=linear: (linear(x1), linear(x4)) for linear in linears]

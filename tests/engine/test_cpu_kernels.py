@@ -202,7 +202,9 @@ def test_k_quant_row_planes_hold_the_codecs_levels_scales_and_minima(qtype, flip
     """K-quant blocks decoded into RowPlanes in one compiled pass hold, laid out as the other forms,
     exactly what their codec decodes (itself equal to gguf.quants.dequantize, test_gguf_blocks.py):
     Q4_K's 0..15 levels as nibbles with the minimum less 8 scales, Q5_K's and Q6_K's levels a byte
-    xor `flip`, each unit's fp32 scale and minimum; padding rows level 0 (Q4_K's nibbles 8), scale 0."""
+    xor `flip`, and each unit's fp32 scale and minimum as group_scales decodes them (the kernels' own
+    decode) from the codes and f16 block scales kept as the file holds them: the scales add ~1/16 of a
+    byte a weight, not fp32 products; padding rows level 0 (Q4_K's nibbles 8), scale 0."""
     weight = random_blocks(qtype, 21, 512, seed=40)
     N, K = weight.shape
     p = compiled.repack_rows(weight, flip)
@@ -217,13 +219,21 @@ def test_k_quant_row_planes_hold_the_codecs_levels_scales_and_minima(qtype, flip
         padding = 0
     rows = quads.transpose(0, 3, 1, 2, 4).reshape(32, K)  # [g r, v quads s]
     assert p.nibbles == (qtype == Q.Q4_K) and np.array_equal(rows[:N], levels.reshape(N, K)) and (rows[N:] == padding).all()
+    scratch, decoded = np.empty(U * 16, np.uint32), np.empty((2, 2, U * 16), np.float32)  # [g, scale | minimum, v r]
+    for g in range(2):
+        scale, minimum = compiled.group_scales(p.scale, p.minimum, p.block_scales, g, p.nibbles, scratch, *decoded[g])
+        assert scale.shape == (U * 16,) and minimum.shape == ((0,) if qtype == Q.Q6_K else (U * 16,))
     by_row = lambda planes: planes.reshape(2, U, 16).transpose(0, 2, 1).reshape(32, U)  # noqa: E731
-    assert np.array_equal(by_row(p.scale)[:N], unit_scale) and not by_row(p.scale)[N:].any()
+    scales = by_row(decoded[:, 0])
+    assert np.array_equal(scales[:N].view(np.uint32), unit_scale.view(np.uint32)) and not scales[N:].any()
     if qtype == Q.Q6_K:
         assert unit_minimum is None and p.minimum.size == 0
     else:
         want = unit_minimum - np.float32(8) * unit_scale if qtype == Q.Q4_K else unit_minimum
-        assert np.array_equal(by_row(p.minimum)[:N], want) and not by_row(p.minimum)[N:].any()
+        minima = by_row(decoded[:, 1])
+        assert np.array_equal(minima[:N].view(np.uint32), want.view(np.uint32)) and not minima[N:].any()
+    # codes and levels aside, a 256-weight block's scales keep 16 (Q6_K) or 2 x 8 (K) bytes, and 4 of f16
+    assert p.nbytes - p.codes.nbytes == 2 * (K // 256) * 16 * (16 + 4)
 
 
 def test_q4_k_row_planes_hold_half_a_byte_a_level():
@@ -558,7 +568,8 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     # the sampler's: softmax into float32 (probabilities) and float64 (a pick), draws from either
     kernels += [compiled_sampling._top_k_columns, compiled_sampling._warp_rows, compiled_sampling.softmax_rows, compiled_sampling._draw_index]
     prepared = [len(kernel.signatures) for kernel in kernels + drivers]
-    assert prepared == [2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] + [1, 1, 2, 2] + [2, 1, 1, 1, 1]  # RowPlanes: f16 bits (Q4_0, Q8_0) and fp32 scales
+    # RowPlanes' scales: f16 bits (Q4_0, Q8_0), fp32 (W4, IQ4_XS) and K-quant codes
+    assert prepared == [3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] + [1, 1, 2, 2] + [3, 1, 1, 1, 1]
     models = Path(__file__).parents[2] / "models"
     for path in (models / "demo", models / "demo_int4", models / "demo_gguf" / "demo-q8_0.gguf"):
         lm = load_model(path)
