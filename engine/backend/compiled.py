@@ -186,27 +186,24 @@ def unit_scales(row, scratch):
     return row if row.dtype == np.float32 else row.view(np.float16).astype(np.float32)
 
 
-def group_scales(scale, minimum, block_scales, g, fold, scratch, unit_scale, unit_minimum):
-    """RowPlanes group g's unit scales and minima as fp32 [U * 16] (unit v's row r at v * 16 + r):
-    unit_scales of scale[g] and no minimum, or for K-quant codes (int8 scale) k_unit_scales into
-    unit_scale and unit_minimum. Compiled per dtype (numba's overload below); this plain version
-    serves numpy callers and tests. scratch uint32 [>= U * 16]."""
+def group_scales(scale, block_scales, g, scratch):
+    """RowPlanes group g's scales as rows_tile reads them: (scales, d). fp32 unit scales [U * 16]
+    (unit v's row r at v * 16 + r: scale[g] itself, or its f16 bits decoded into scratch) and no d;
+    or a K-quant's int8 scale codes as they are and its blocks' d and dmin decoded into scratch as fp32
+    [B * 32] (block b's d of row r at 32 b + r, dmin at 32 b + 16 + r). Compiled per dtype (numba's
+    overload below); this plain version serves numpy callers and tests. scratch uint32 [>= U * 16]."""
     if scale.dtype == np.int8:
-        return k_unit_scales(scale[g], minimum[g], block_scales[g], fold, scratch, unit_scale, unit_minimum)
-    return unit_scales(scale[g], scratch[: scale.shape[1]]), unit_minimum[:0]
+        return scale[g], unit_scales(block_scales[g], scratch[: block_scales.shape[1]])
+    return unit_scales(scale[g], scratch[: scale.shape[1]]), scratch[:0].view(np.float32)
 
 
 @kernel_jit(inline="always")
-def k_unit_scales(codes, minimum_codes, block_scales, fold, scratch, unit_scale, unit_minimum):
-    """A K-quant group's unit scales and minima from the codes RowPlanes keeps of them (as the file
-    holds them: a block's f16 d and dmin, a 6-bit or int8 code a unit): unit_scale[v * 16 + r] =
-    fp32(d) * code and unit_minimum likewise from dmin, less 8 unit scales where `fold` (Q4_K: its
-    nibbles' - 8 comes back through the minimum); the fp32 products the codec makes, so its bits.
-    codes, minimum_codes int8 [U * 16] (minimum_codes [0]: none); block_scales uint16 [B * 32], block
-    b's d of row r at 32 b + r, its dmin at 32 b + 16 + r. Returns (unit_scale, unit_minimum or [0])."""
-    d = unit_scales(block_scales, scratch[: block_scales.shape[0]])
-    k_scale_products(codes, minimum_codes, d, fold, unit_scale, unit_minimum)
-    return unit_scale, unit_minimum[: minimum_codes.shape[0]]
+def unit_scale_of(group_scale, block_d, v, r, per_block):
+    """Unit v's scale of row r as rows_tile makes it from group_scales' (scales, d): the fp32 value,
+    or a K-quant's code times its block's d (per_block units a block)."""
+    if block_d.shape[0] == 0:
+        return np.float32(group_scale[v * ROWS + r])
+    return block_d[v // per_block * 2 * ROWS + r] * np.float32(group_scale[v * ROWS + r])
 
 
 @kernel_jit()
@@ -287,61 +284,10 @@ if _numba:
         return lambda row, scratch: decode_f16_bits(row, scratch)
 
     @overload(group_scales, jit_options={"nogil": True})
-    def _group_scales_compiled(scale, minimum, block_scales, g, fold, scratch, unit_scale, unit_minimum):
+    def _group_scales_compiled(scale, block_scales, g, scratch):
         if scale.dtype == _numba.types.int8:
-            return lambda scale, minimum, block_scales, g, fold, scratch, unit_scale, unit_minimum: k_unit_scales(
-                scale[g], minimum[g], block_scales[g], fold, scratch, unit_scale, unit_minimum)
-        return lambda scale, minimum, block_scales, g, fold, scratch, unit_scale, unit_minimum: (
-            unit_scales(scale[g], scratch[: scale.shape[1]]), unit_minimum[:0])
-
-    @intrinsic
-    def k_scale_products(typingctx, codes, minimum_codes, d, fold, unit_scale, unit_minimum):
-        """In compiled code, k_unit_scales' products a unit at a time, its 16 rows one vector each:
-        unit_scale[16 v + r] = d[32 b + r] * fp32(codes[16 v + r]) for unit v of block b (v //
-        (units / blocks)), and where minimum_codes is not empty unit_minimum[16 v + r] = d[32 b + 16 +
-        r] * fp32(minimum_codes[16 v + r]), less 8 * unit_scale[16 v + r] where `fold`: a multiply
-        (and a subtract) a value, rounded as numpy rounds each. codes, minimum_codes int8 [U * 16];
-        d fp32 [B * 32]; unit_scale, unit_minimum fp32 [U * 16]: C arrays. (numba's loops for this
-        did not vectorize: ~0.5 us a 1024-input group, more than the group's dots at one row.)"""
-        types = _numba.types
-        if (codes.dtype, minimum_codes.dtype, d.dtype, unit_scale.dtype, unit_minimum.dtype) != (
-                types.int8, types.int8, types.float32, types.float32, types.float32):
-            return None
-        signature = types.void(codes, minimum_codes, d, fold, unit_scale, unit_minimum)
-
-        def codegen(context, builder, signature, args):
-            from numba.core import cgutils
-
-            ir = llvmlite.ir
-            intp = context.get_value_type(types.intp)
-            const = lambda v: ir.Constant(intp, v)  # noqa: E731
-            floats, int8s = ir.VectorType(ir.FloatType(), ROWS), ir.VectorType(ir.IntType(8), ROWS)
-            C, M, D, S, Mo = (context.make_array(t)(context, builder, v) for t, v in
-                              zip((signature.args[i] for i in (0, 1, 2, 4, 5)), (args[i] for i in (0, 1, 2, 4, 5))))
-            fold_v = context.cast(builder, args[3], signature.args[3], types.boolean)
-            units = builder.sdiv(cgutils.unpack_tuple(builder, C.shape, 1)[0], const(ROWS))
-            blocks = builder.sdiv(cgutils.unpack_tuple(builder, D.shape, 1)[0], const(2 * ROWS))
-            per_block = builder.sdiv(units, blocks)
-            has_minimum = builder.icmp_signed(">", cgutils.unpack_tuple(builder, M.shape, 1)[0], const(0))
-            eight = ir.Constant(floats, [8.0] * ROWS)
-
-            def vector(array, at, kind):
-                return builder.load(builder.bitcast(builder.gep(array.data, [at]), kind.as_pointer()), align=1 if kind is int8s else 4)
-
-            with cgutils.for_range(builder, blocks) as block_loop:
-                at_d = builder.mul(block_loop.index, const(2 * ROWS))
-                d_scale, d_minimum = vector(D, at_d, floats), vector(D, builder.add(at_d, const(ROWS)), floats)
-                with cgutils.for_range(builder, per_block) as loop:
-                    at = builder.mul(builder.add(builder.mul(block_loop.index, per_block), loop.index), const(ROWS))
-                    scale = builder.fmul(d_scale, builder.sitofp(vector(C, at, int8s), floats))
-                    builder.store(scale, builder.bitcast(builder.gep(S.data, [at]), floats.as_pointer()), align=4)
-                    with builder.if_then(has_minimum):
-                        low = builder.fmul(d_minimum, builder.sitofp(vector(M, at, int8s), floats))
-                        low = builder.select(fold_v, builder.fsub(low, builder.fmul(eight, scale)), low)
-                        builder.store(low, builder.bitcast(builder.gep(Mo.data, [at]), floats.as_pointer()), align=4)
-            return context.get_dummy_value()
-
-        return signature, codegen
+            return lambda scale, block_scales, g, scratch: (scale[g], unit_scales(block_scales[g], scratch[: block_scales.shape[1]]))
+        return lambda scale, block_scales, g, scratch: (unit_scales(scale[g], scratch[: scale.shape[1]]), scratch[:0].view(np.float32))
 
     @intrinsic
     def as_float32(typingctx, bits):
@@ -616,14 +562,22 @@ if _numba:
     def _rows_tile(tokens: int):
         """The intrinsic below for a tile of `tokens` token rows."""
 
-        def rows_tile(typingctx, codes, scales, q, x_sum, x_scale, acc, g, t0):
+        def rows_tile(typingctx, codes, scales, block_d, minimum, q, x_sum, x_scale, acc, g, t0):
             """In compiled code, on the CPU of int8_dot_kernels()'s "vnni" or "avx2" family only:
-            acc[i, r] = the sum over units v, in order from 0, of fp32(dot) * (scales[v * 16 + r] *
-            x_scale[t0 + i, v]), dot = the integer dot of weight row 16 g + r's unit v (32 inputs, or
-            Q6_K's 16) with token row t0 + i's, minus the codes' stored offset times x_sum[t0 + i, v]
-            (nibbles: 8; bytes: QUAD_BIAS); i < tokens, r < 16. codes uint8 [G, U * 256 (nibbles, or
-            bytes of 16-input units) or U * 512] (RowPlanes), scales fp32 [U * 16] (group g's), q int8
-            [T, K], x_sum int32 and x_scale fp32 [T, U], acc fp32 [>= tokens, 16]: C arrays.
+            acc[i, r] = the sum over units v, in order from 0, of fp32(dot) * (scale * x_scale[t0 + i,
+            v]), dot = the integer dot of weight row 16 g + r's unit v (32 inputs, or Q6_K's 16) with
+            token row t0 + i's, minus the codes' stored offset times x_sum[t0 + i, v] (nibbles: 8;
+            bytes: QUAD_BIAS); i < tokens, r < 16. codes uint8 [G, U * 256 (nibbles, or bytes of
+            16-input units) or U * 512] (RowPlanes); scales group g's: fp32 [U * 16], scale =
+            scales[v * 16 + r], or a K-quant's int8 codes, scale = block_d[32 b + r] * fp32(scales[v *
+            16 + r]) for v's block b (block_d fp32 [B * 32], the group's d: group_scales), the
+            product made here as a unit is used (a pass of its own over a group's scales stalled the
+            weights' stream: 1.45x the time of fp32 scales on a [8192, 4096] Q4_K matrix). K-quant
+            codes with a minimum (int8 [U * 16], the group's codes; else empty): then acc[i, r] -= the
+            sum over units v, in order, of (fp32(x_sum[t0 + i, v]) * x_scale[t0 + i, v]) * (block_d[32
+            b + 16 + r] * fp32(minimum[v * 16 + r]), less 8 * scale for nibbles: Q4_K's - 8 comes back
+            through its minimum), made here as well. q int8 [T, K], x_sum int32 and x_scale fp32 [T,
+            U], acc fp32 [>= tokens, 16]: C arrays.
 
             A unit's 16 rows lie in one 64-byte vector per quad p of positions, a row's four bytes in
             one int32 lane (nibbles: low ones positions 4p..4p+3, high ones 16 + 4p..; bytes: 4p..4p+3
@@ -635,16 +589,18 @@ if _numba:
             the sign trick), vpmaddwd by ones to int32 (_Int8Dots).
             The integers are exact; the fp32 steps are those of _w4a8_rows_loops, in its order."""
             types = _numba.types
-            if (codes.dtype, scales.dtype, q.dtype, x_sum.dtype, x_scale.dtype, acc.dtype) != (
-                    types.uint8, types.float32, types.int8, types.int32, types.float32, types.float32):
+            if (codes.dtype, block_d.dtype, minimum.dtype, q.dtype, x_sum.dtype, x_scale.dtype, acc.dtype) != (
+                    types.uint8, types.float32, types.int8, types.int8, types.int32, types.float32, types.float32) or \
+                    scales.dtype not in (types.float32, types.int8):
                 return None
-            signature = types.void(codes, scales, q, x_sum, x_scale, acc, types.intp, types.intp)
+            coded = scales.dtype == types.int8
+            signature = types.void(codes, scales, block_d, minimum, q, x_sum, x_scale, acc, types.intp, types.intp)
 
             def codegen(context, builder, signature, args):
                 from numba.core import cgutils
 
                 ir = llvmlite.ir
-                g, t0 = args[6:]
+                g, t0 = args[8:]
                 intp = context.get_value_type(types.intp)
                 const = lambda v: ir.Constant(intp, v)  # noqa: E731
                 W = QUAD_COLUMN  # int32 lanes a vector: 16 rows in 16 // W vectors
@@ -652,7 +608,8 @@ if _numba:
                 i32 = ir.IntType(32)
                 words, floats = ir.VectorType(i32, W), ir.VectorType(ir.FloatType(), W)
                 int8 = _Int8Dots(builder)
-                C, S, Q, XS, XC, A = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:6], args[:6]))
+                C, S, D, MN, Q, XS, XC, A = (context.make_array(t)(context, builder, v) for t, v in zip(signature.args[:8], args[:8]))
+                has_minimum = builder.icmp_signed(">", cgutils.unpack_tuple(builder, MN.shape, 1)[0], const(0))
                 row_bytes = cgutils.unpack_tuple(builder, C.shape, 2)[1]
                 K = cgutils.unpack_tuple(builder, Q.shape, 2)[1]
                 U = cgutils.unpack_tuple(builder, XS.shape, 2)[1]
@@ -666,7 +623,8 @@ if _numba:
                     return builder.load(builder.bitcast(builder.gep(pointer, [at]), vector.as_pointer()), align=align)
 
                 totals = [[cgutils.alloca_once(builder, floats) for _ in range(halves)] for _ in range(tokens)]
-                for total in sum(totals, []):
+                minimum_totals = [[cgutils.alloca_once(builder, floats) for _ in range(halves)] for _ in range(tokens)] if coded else []
+                for total in sum(totals + minimum_totals, []):
                     builder.store(ir.Constant(floats, None), total)
 
                 def units(nibbles: bool, inputs: int) -> None:
@@ -685,7 +643,14 @@ if _numba:
                                       [[builder.and_(builder.lshr(c, four), low_nibbles) for c in quad] for quad in stored]
                         else:
                             weights = stored
-                        weight_scale = [load(S.data, floats, builder.add(builder.mul(v, const(16)), const(W * h)), 4) for h in range(halves)]
+                        scale_at = [builder.add(builder.mul(v, const(16)), const(W * h)) for h in range(halves)]
+                        if coded:  # the block's d (v // units a block: a shift) times the unit's codes
+                            d_at = builder.mul(builder.udiv(v, const(256 // inputs)), const(32))
+                            weight_scale = [builder.fmul(load(D.data, floats, builder.add(d_at, const(W * h)), 4),
+                                                         builder.sitofp(load(S.data, ir.VectorType(ir.IntType(8), W), at, 1), floats))
+                                            for h, at in enumerate(scale_at)]
+                        else:
+                            weight_scale = [load(S.data, floats, at, 4) for at in scale_at]
                         for i in range(tokens):
                             row = builder.add(t0, const(i))
                             x_at = builder.add(builder.mul(row, K), builder.mul(v, const(inputs)))
@@ -709,6 +674,20 @@ if _numba:
                                         dot = int8.widen(dot, int8.signed_pairs(w[h], x[j]))
                                 term = builder.fmul(builder.sitofp(builder.sub(dot, bias), floats), builder.fmul(weight_scale[h], scale))
                                 builder.store(builder.fadd(builder.load(totals[i][h]), term), totals[i][h])
+                        if coded:
+                            with builder.if_then(has_minimum):  # the unit's minima, then each token's share
+                                eight = ir.Constant(floats, [8.0] * W)
+                                minima = []
+                                for h, at in enumerate(scale_at):
+                                    low = builder.fmul(load(D.data, floats, builder.add(d_at, const(16 + W * h)), 4),
+                                                       builder.sitofp(load(MN.data, ir.VectorType(ir.IntType(8), W), at, 1), floats))
+                                    minima.append(builder.fsub(low, builder.fmul(eight, weight_scale[h])) if nibbles else low)
+                                for i in range(tokens):
+                                    unit_at = builder.add(builder.mul(builder.add(t0, const(i)), U), v)
+                                    x_unit = splat(builder.fmul(builder.sitofp(builder.load(builder.gep(XS.data, [unit_at])), ir.FloatType()),
+                                                                builder.load(builder.gep(XC.data, [unit_at]))), floats)
+                                    for h in range(halves):
+                                        builder.store(builder.fadd(builder.load(minimum_totals[i][h]), builder.fmul(x_unit, minima[h])), minimum_totals[i][h])
 
                 # a unit's bytes and inputs tell the codes: 256 and 32 nibbles, 512 and 32 or 256 and 16 bytes
                 of_bytes = builder.icmp_signed("==", row_bytes, builder.mul(U, const(512)))
@@ -726,7 +705,10 @@ if _numba:
                 for i in range(tokens):
                     for h in range(halves):
                         at = builder.add(builder.mul(const(i), acc_row), const(W * h))
-                        builder.store(builder.load(totals[i][h]), builder.bitcast(builder.gep(A.data, [at]), floats.as_pointer()), align=4)
+                        total = builder.load(totals[i][h])
+                        if coded:  # less the minima's sum (0 without minima: the same bits)
+                            total = builder.fsub(total, builder.load(minimum_totals[i][h]))
+                        builder.store(total, builder.bitcast(builder.gep(A.data, [at]), floats.as_pointer()), align=4)
                 return context.get_dummy_value()
 
             return signature, codegen
@@ -850,18 +832,20 @@ ROWS_TILE = 8 if QUAD_FAMILY == "vnni" else 2
 
 
 @kernel_jit(inline="always")
-def _rows_minimum(group_minimum, g, x_sum, x_scale, out, T, rows, total):
-    """For RowPlanes with a minimum (Q4_K, Q5_K; group_minimum is group g's from group_scales, [0]
-    else): out[t, 16 g + r] -= the sum over units v, in order, of (fp32(x_sum[t, v]) * x_scale[t, v])
-    * group_minimum[v * 16 + r]; total fp32 [16] is scratch (the 16 rows' sums grow side by side, one
-    vector). Both _w4a8_rows kernels run this same code, so their bits stay equal."""
-    U = x_sum.shape[1] if group_minimum.shape[0] else 0
+def _rows_minimum(group_scale, block_d, minimum, fold, per_block, g, x_sum, x_scale, out, T, rows, total):
+    """_w4a8_rows_loops' minima, in rows_tile's numbers and order (K-quants with a minimum: minimum
+    their codes, group g's; [0] else): out[t, 16 g + r] -= the sum over units v, in order, of
+    (fp32(x_sum[t, v]) * x_scale[t, v]) * (block_d[32 b + 16 + r] * fp32(minimum[v * 16 + r]), less 8
+    * unit_scale_of(v, r) where `fold`); total fp32 [16] is scratch."""
+    U = x_sum.shape[1] if minimum.shape[0] else 0
     for t in range(T if U else 0):
         total[:] = 0
         for v in range(U):
             unit = np.float32(x_sum[t, v]) * x_scale[t, v]
             for r in range(ROWS):
-                total[r] = total[r] + unit * group_minimum[v * ROWS + r]
+                low = block_d[v // per_block * 2 * ROWS + ROWS + r] * np.float32(minimum[v * ROWS + r])
+                value = low - np.float32(8) * unit_scale_of(group_scale, block_d, v, r, per_block) if fold else low
+                total[r] = total[r] + unit * value
         for r in range(rows):
             out[t, g * ROWS + r] -= total[r]
 
@@ -869,41 +853,39 @@ def _rows_minimum(group_minimum, g, x_sum, x_scale, out, T, rows, total):
 @kernel_jit()
 def _w4a8_rows(codes, scale, minimum, block_scales, q, x_sum, x_scale, out, lo, hi):
     """W4 and GGUF blocks on w4a8 through rows_tile (int8_dot_kernels' "vnni" or "avx2"): groups [lo, hi)
-    of RowPlanes' codes, scale, minimum and block_scales (decoded a group at a time: group_scales)
-    against q int8 [T, K] (the activation levels as they are), x_sum int32 [T, U], x_scale fp32
-    [T, U], into out [T, N]. Every token row of the call runs on a group's 16 rows (8 KB of Q4_0
+    of RowPlanes' codes, scale, minimum and block_scales (group_scales' forms) against q int8 [T, K]
+    (the activation levels as they are), x_sum int32 [T, U], x_scale fp32 [T, U], into out [T,
+    N]. Every token row of the call runs on a group's 16 rows (8 KB of Q4_0
     codes at K = 1024, in L1) before the next group, so a prefill reads each weight once; per token
     row _w4a8_rows_loops' bits."""
     T, N = out.shape
-    acc, total = np.empty((ROWS_TILE, ROWS), np.float32), np.empty(ROWS, np.float32)
-    scratch, unit_scale, unit_minimum = np.empty(scale.shape[1], np.uint32), np.empty(scale.shape[1], np.float32), np.empty(scale.shape[1], np.float32)
-    fold = codes.shape[1] == 256 * x_sum.shape[1]  # nibbles (or Q6_K's bytes, which have no minimum)
+    acc = np.empty((ROWS_TILE, ROWS), np.float32)
+    scratch = np.empty(scale.shape[1], np.uint32)
     for g in range(lo, hi):
-        group_scale, group_minimum = group_scales(scale, minimum, block_scales, g, fold, scratch, unit_scale, unit_minimum)
+        group_scale, block_d = group_scales(scale, block_scales, g, scratch)
         rows = min(ROWS, N - g * ROWS)
         t = 0
         while t < T:
             tile = ROWS_TILE if T - t >= ROWS_TILE else 4 if T - t >= 4 else 2 if T - t >= 2 else 1
             if tile == 8:
-                _rows_tile_8(codes, group_scale, q, x_sum, x_scale, acc, g, t)
+                _rows_tile_8(codes, group_scale, block_d, minimum[g], q, x_sum, x_scale, acc, g, t)
             elif tile == 4:
-                _rows_tile_4(codes, group_scale, q, x_sum, x_scale, acc, g, t)
+                _rows_tile_4(codes, group_scale, block_d, minimum[g], q, x_sum, x_scale, acc, g, t)
             elif tile == 2:
-                _rows_tile_2(codes, group_scale, q, x_sum, x_scale, acc, g, t)
+                _rows_tile_2(codes, group_scale, block_d, minimum[g], q, x_sum, x_scale, acc, g, t)
             else:
-                _rows_tile_1(codes, group_scale, q, x_sum, x_scale, acc, g, t)
+                _rows_tile_1(codes, group_scale, block_d, minimum[g], q, x_sum, x_scale, acc, g, t)
             for i in range(tile):
                 for r in range(rows):
                     out[t + i, g * ROWS + r] = acc[i, r]
             t += tile
-        _rows_minimum(group_minimum, g, x_sum, x_scale, out, T, rows, total)
 
 
 @kernel_jit()
 def _w4a8_rows_loops(codes, scale, minimum, block_scales, q, x_sum, x_scale, out, lo, hi):
     """_w4a8_rows in plain loops (the "generic" family), the same numbers in the same order: per
     token row t and weight row n = 16 g + r, total = 0, then for each unit v in order total +=
-    fp32(dot - offset x_sum[t, v]) * (unit scale v of row n (group_scales) * x_scale[t, v]), dot the unit's 32
+    fp32(dot - offset x_sum[t, v]) * (unit_scale_of(v, n) * x_scale[t, v]), dot the unit's 32
     (Q6_K: 16) products of stored code x level, exact in int32. Nibbles (offset 8): byte (v, p, r,
     s) of a group holds positions 4p + s (low) and 16 + 4p + s (high); bytes (offset 0 here, where
     levels are stored as they are): byte (v, p, r, s) position 4p + s, p < inputs / 4."""
@@ -912,9 +894,8 @@ def _w4a8_rows_loops(codes, scale, minimum, block_scales, q, x_sum, x_scale, out
     inputs = q.shape[1] // U  # a unit's: 32, or Q6_K's 16
     nibbles = codes.shape[1] == 256 * U and inputs == 32
     scratch, unit_total = np.empty(scale.shape[1], np.uint32), np.empty(ROWS, np.float32)
-    unit_scale, unit_minimum = np.empty(scale.shape[1], np.float32), np.empty(scale.shape[1], np.float32)
     for g in range(lo, hi):
-        group_scale, group_minimum = group_scales(scale, minimum, block_scales, g, nibbles, scratch, unit_scale, unit_minimum)
+        group_scale, block_d = group_scales(scale, block_scales, g, scratch)
         c = codes[g]
         for t in range(T):
             for r in range(min(ROWS, N - g * ROWS)):
@@ -931,10 +912,10 @@ def _w4a8_rows_loops(codes, scale, minimum, block_scales, q, x_sum, x_scale, out
                         for p in range(inputs // 4):
                             for s in range(4):
                                 dot += np.int32(np.int8(c[v * 16 * inputs + p * 64 + r * 4 + s])) * np.int32(q[t, v * inputs + 4 * p + s])
-                    term = np.float32(dot) * (group_scale[v * ROWS + r] * x_scale[t, v])
+                    term = np.float32(dot) * (unit_scale_of(group_scale, block_d, v, r, 256 // inputs) * x_scale[t, v])
                     total = total + term
                 out[t, g * ROWS + r] = total
-        _rows_minimum(group_minimum, g, x_sum, x_scale, out, T, min(ROWS, N - g * ROWS), unit_total)
+        _rows_minimum(group_scale, block_d, minimum[g], nibbles, 256 // inputs, g, x_sum, x_scale, out, T, min(ROWS, N - g * ROWS), unit_total)
 
 
 @kernel_jit()
@@ -1847,7 +1828,7 @@ class RowPlanes:
     scale  [G, U * 16]: unit v's scale of row 16 g + r at v * 16 + r; Q4_0's and Q8_0's f16 bits as
            their blocks hold them, fp32 (W4's bf16 group scale for each of its units, IQ4_XS's
            sub-block scale), or a K-quant's sub-block scale code (int8: Q4_K's and Q5_K's 6 bits,
-           Q6_K's int8), multiplied by its block's d as a group is used (group_scales)
+           Q6_K's int8), multiplied by its block's d as rows_tile uses it
     minimum int8 [G, U * 16] for Q4_K and Q5_K: the minimum's code, times dmin (weight = scale x
            level - minimum), else [G, 0]
     block_scales uint16 [G, B * 32] for K-quants: block b's f16 d of row 16 g + r at 32 b + r, dmin

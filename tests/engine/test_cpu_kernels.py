@@ -202,9 +202,10 @@ def test_k_quant_row_planes_hold_the_codecs_levels_scales_and_minima(qtype, flip
     """K-quant blocks decoded into RowPlanes in one compiled pass hold, laid out as the other forms,
     exactly what their codec decodes (itself equal to gguf.quants.dequantize, test_gguf_blocks.py):
     Q4_K's 0..15 levels as nibbles with the minimum less 8 scales, Q5_K's and Q6_K's levels a byte
-    xor `flip`, and each unit's fp32 scale and minimum as group_scales decodes them (the kernels' own
-    decode) from the codes and f16 block scales kept as the file holds them: the scales add ~1/16 of a
-    byte a weight, not fp32 products; padding rows level 0 (Q4_K's nibbles 8), scale 0."""
+    xor `flip`, and each unit's fp32 scale and minimum as the kernels make them (a multiply of code
+    and d, Q4_K's minimum less 8 scales) from the codes and f16 block scales kept as the file holds
+    them: the scales add ~1/16 of a byte a weight, not fp32 products; padding rows level 0 (Q4_K's
+    nibbles 8), scale 0."""
     weight = random_blocks(qtype, 21, 512, seed=40)
     N, K = weight.shape
     p = compiled.repack_rows(weight, flip)
@@ -219,19 +220,25 @@ def test_k_quant_row_planes_hold_the_codecs_levels_scales_and_minima(qtype, flip
         padding = 0
     rows = quads.transpose(0, 3, 1, 2, 4).reshape(32, K)  # [g r, v quads s]
     assert p.nibbles == (qtype == Q.Q4_K) and np.array_equal(rows[:N], levels.reshape(N, K)) and (rows[N:] == padding).all()
-    scratch, decoded = np.empty(U * 16, np.uint32), np.empty((2, 2, U * 16), np.float32)  # [g, scale | minimum, v r]
+    # per group (group_scales, as the kernels read them): the scale codes as kept and the blocks' d and dmin
+    scratch = np.empty(U * 16, np.uint32)
+    scales, minima = np.empty((2, U * 16), np.float32), np.empty((2, U * 16), np.float32)
     for g in range(2):
-        scale, minimum = compiled.group_scales(p.scale, p.minimum, p.block_scales, g, p.nibbles, scratch, *decoded[g])
-        assert scale.shape == (U * 16,) and minimum.shape == ((0,) if qtype == Q.Q6_K else (U * 16,))
+        codes, d = compiled.group_scales(p.scale, p.block_scales, g, scratch)
+        assert codes.dtype == np.int8 and d.shape == (K // 256 * 32,)
+        d_min = np.repeat(d.reshape(-1, 2, 16), U // (K // 256), axis=0)  # [v, d | dmin, r]
+        scales[g] = d_min[:, 0].reshape(-1) * codes.astype(np.float32)  # the fp32 multiplies rows_tile makes
+        if qtype != Q.Q6_K:
+            minima[g] = d_min[:, 1].reshape(-1) * p.minimum[g].astype(np.float32)
+            if qtype == Q.Q4_K:
+                minima[g] -= np.float32(8) * scales[g]
     by_row = lambda planes: planes.reshape(2, U, 16).transpose(0, 2, 1).reshape(32, U)  # noqa: E731
-    scales = by_row(decoded[:, 0])
-    assert np.array_equal(scales[:N].view(np.uint32), unit_scale.view(np.uint32)) and not scales[N:].any()
+    assert np.array_equal(by_row(scales)[:N].view(np.uint32), unit_scale.view(np.uint32)) and not by_row(scales)[N:].any()
     if qtype == Q.Q6_K:
         assert unit_minimum is None and p.minimum.size == 0
     else:
         want = unit_minimum - np.float32(8) * unit_scale if qtype == Q.Q4_K else unit_minimum
-        minima = by_row(decoded[:, 1])
-        assert np.array_equal(minima[:N].view(np.uint32), want.view(np.uint32)) and not minima[N:].any()
+        assert np.array_equal(by_row(minima)[:N].view(np.uint32), want.view(np.uint32)) and not by_row(minima)[N:].any()
     # codes and levels aside, a 256-weight block's scales keep 16 (Q6_K) or 2 x 8 (K) bytes, and 4 of f16
     assert p.nbytes - p.codes.nbytes == 2 * (K // 256) * 16 * (16 + 4)
 
