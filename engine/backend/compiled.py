@@ -854,10 +854,9 @@ def _rows_minimum(group_scale, block_d, minimum, fold, per_block, g, x_sum, x_sc
 def _w4a8_rows(codes, scale, minimum, block_scales, q, x_sum, x_scale, out, lo, hi):
     """W4 and GGUF blocks on w4a8 through rows_tile (int8_dot_kernels' "vnni" or "avx2"): groups [lo, hi)
     of RowPlanes' codes, scale, minimum and block_scales (group_scales' forms) against q int8 [T, K]
-    (the activation levels as they are), x_sum int32 [T, U], x_scale fp32 [T, U], into out [T,
-    N]. Every token row of the call runs on a group's 16 rows (8 KB of Q4_0
-    codes at K = 1024, in L1) before the next group, so a prefill reads each weight once; per token
-    row _w4a8_rows_loops' bits."""
+    (the activation levels as they are), x_sum int32 [T, U], x_scale fp32 [T, U], into out [T, N].
+    Every token row of the call runs on a group's 16 rows (8 KB of Q4_0 codes at K = 1024, in L1)
+    before the next group, so a prefill reads each weight once; per token row _w4a8_rows_loops' bits."""
     T, N = out.shape
     acc = np.empty((ROWS_TILE, ROWS), np.float32)
     scratch = np.empty(scale.shape[1], np.uint32)
@@ -1833,7 +1832,8 @@ class RowPlanes:
            level - minimum), else [G, 0]
     block_scales uint16 [G, B * 32] for K-quants: block b's f16 d of row 16 g + r at 32 b + r, dmin
            at 32 b + 16 + r, else [G, 0]. A K-quant's scales so take ~1/16 of a byte a weight, as in
-           its file (fp32 products took 1/4 to 1/2 a byte: the planes of a Q4_K_M file 1.41x its bytes, 1.15x so)
+           its file (fp32 products took 1/4 to 1/2 a byte: a Q4_K_M file's planes were 1.41x its
+           bytes, 1.15x so)
     unit   inputs a unit (one scale) holds: 32, or Q6_K's 16 (bytes [G, U * 256], 4 quads a unit)
     Rows past N (the last group's padding) have level 0 and scale 0."""
 
@@ -1941,7 +1941,7 @@ def _k_blocks_to_rows(raw, kind, codes, scale, minimum, block_scales, first, las
     -> RowPlanes of groups [first, last), as repack_rows' codec path lays them (a unit is a sub-block):
     Q4_K's 0..15 levels as nibbles (positions j and 16 + j of a unit in byte j); Q5_K's and Q6_K's
     levels (Q6_K's q - 32) a byte each, xor flip; each unit's scale code (and minimum code) and each
-    block's f16 d (and dmin) bits as the block holds them (k_unit_scales multiplies them as the codec
+    block's f16 d (and dmin) bits as the block holds them (rows_tile multiplies them as the codec
     does). Rows past N: level 0, scale 0. One pass over the file's bytes: the codec path decoded to
     fp32 levels and reordered them in numpy."""
     N = raw.shape[0]
