@@ -719,6 +719,90 @@ if _numba:
     # registers), then one of 4, 2 and 1 for the rows left
     _rows_tile_8, _rows_tile_4, _rows_tile_2, _rows_tile_1 = (_rows_tile(tokens) for tokens in (8, 4, 2, 1))
 
+    def _delta_columns(vectors: int):
+        """The intrinsic below for a block of `vectors` x 16 value columns."""
+
+        def delta_columns(typingctx, S, q, k, v, beta, decay, h, rows, last, out, c0):
+            """In compiled code: _delta_row's steps for head h's rows [0, rows) on value columns [c0,
+            c0 + 16 vectors) (the step is independent per column: u_j and o_j read column j of the state
+            alone), each row's u and o in registers and the block's state, dk x 16 vectors x 4 bytes,
+            staying in L1 from row to row: the state before row 0 read from S[h], every row's written to
+            last[h] (rows after the first update it in place: a step reads a state row before writing
+            it). The fp32 steps of _delta_row, each rounded alone in its order (sums over dk in order),
+            so its bits. S, last [H, dk, dv]; q, k [T, H, dk]; v, out [T, H, dv]; beta, decay [T, H]:
+            C arrays. (_delta_row's loops kept u and o in memory and read and wrote each head's whole
+            state twice a row from L2: 46-57 us a row of 16 heads of 128 x 128.)"""
+            types = _numba.types
+            f32 = types.float32
+            if any(a.dtype != f32 for a in (S, q, k, v, beta, decay, last, out)):
+                return None
+            signature = types.void(S, q, k, v, beta, decay, types.intp, types.intp, last, out, types.intp)
+
+            def codegen(context, builder, signature, args):
+                from numba.core import cgutils
+
+                ir = llvmlite.ir
+                intp = context.get_value_type(types.intp)
+                const = lambda n: ir.Constant(intp, n)  # noqa: E731
+                floats = ir.VectorType(ir.FloatType(), 16)
+                S_, Q_, K_, V_, B_, D_ = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:6], args[:6]))
+                h, rows = args[6], args[7]
+                L_, O_ = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[8:10], args[8:10]))
+                c0 = args[10]
+                H, dk, dv = cgutils.unpack_tuple(builder, S_.shape, 3)
+
+                def splat(value):
+                    one = builder.insert_element(ir.Constant(floats, None), value, ir.Constant(ir.IntType(32), 0))
+                    return builder.shuffle_vector(one, ir.Constant(floats, None), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+
+                def vector_at(pointer, at):
+                    return builder.bitcast(builder.gep(pointer, [at]), floats.as_pointer())
+
+                head = builder.mul(builder.mul(h, dk), dv)  # head h's state at [h, 0, 0]
+                u = [cgutils.alloca_once(builder, floats) for _ in range(vectors)]
+                o = [cgutils.alloca_once(builder, floats) for _ in range(vectors)]
+                with cgutils.for_range(builder, rows) as row:
+                    t = row.index
+                    source = builder.select(builder.icmp_signed("==", t, const(0)), S_.data, L_.data)
+                    at_th = builder.add(builder.mul(t, H), h)  # [t, h]
+                    e_g = splat(builder.load(builder.gep(D_.data, [at_th])))
+                    b = splat(builder.load(builder.gep(B_.data, [at_th])))
+                    keys = builder.mul(at_th, dk)
+                    values = builder.add(builder.mul(at_th, dv), c0)
+                    for acc in u + o:
+                        builder.store(ir.Constant(floats, None), acc)
+                    with cgutils.for_range(builder, dk) as i_loop:  # u = S'^T k, S' = e^g S
+                        i = i_loop.index
+                        k_i = splat(builder.load(builder.gep(K_.data, [builder.add(keys, i)])))
+                        state_row = builder.add(builder.add(head, builder.mul(i, dv)), c0)
+                        for c in range(vectors):
+                            s = builder.load(vector_at(source, builder.add(state_row, const(16 * c))), align=4)
+                            builder.store(builder.fadd(builder.load(u[c]), builder.fmul(builder.fmul(s, e_g), k_i)), u[c])
+                    for c in range(vectors):  # u = beta (v - S'^T k)
+                        v_c = builder.load(vector_at(V_.data, builder.add(values, const(16 * c))), align=4)
+                        builder.store(builder.fmul(builder.fsub(v_c, builder.load(u[c])), b), u[c])
+                    with cgutils.for_range(builder, dk) as i_loop:  # S' += k u^T; o = S'^T q
+                        i = i_loop.index
+                        k_i = splat(builder.load(builder.gep(K_.data, [builder.add(keys, i)])))
+                        q_i = splat(builder.load(builder.gep(Q_.data, [builder.add(keys, i)])))
+                        state_row = builder.add(builder.add(head, builder.mul(i, dv)), c0)
+                        for c in range(vectors):
+                            s = builder.load(vector_at(source, builder.add(state_row, const(16 * c))), align=4)
+                            after = builder.fadd(builder.fmul(s, e_g), builder.fmul(k_i, builder.load(u[c])))
+                            builder.store(after, vector_at(L_.data, builder.add(state_row, const(16 * c))), align=4)
+                            builder.store(builder.fadd(builder.load(o[c]), builder.fmul(after, q_i)), o[c])
+                    for c in range(vectors):
+                        builder.store(builder.load(o[c]), vector_at(O_.data, builder.add(values, const(16 * c))), align=4)
+                return context.get_dummy_value()
+
+            return signature, codegen
+
+        return intrinsic(delta_columns)
+
+    # blocks of 64 columns (4 chains of u and of o hide the adds' latency; a block of 128 x 64 state
+    # is 32 KB), then 16 at a time for the rest
+    _delta_columns_64, _delta_columns_16 = _delta_columns(4), _delta_columns(1)
+
 
 @kernel_jit(fastmath=True, inline="always")  # inlined into numba's IR: a call left to LLVM stops the vectorizer
 def exp_f32(x):
@@ -1163,6 +1247,13 @@ def _delta_rows(S, q, k, v, beta, decay, h, rows, last, between, update, out):
     `between` and last[h] so that no row reads the array it writes: LLVM then vectorizes its passes
     (in place, its overlap check sent them to scalar code, 2.6x the time of a 4-row verify). Every
     operand a C-contiguous row ([t, h] of C arrays), which the vectorizer needs as well."""
+    dv = S.shape[2]
+    if dv % 16 == 0:  # every head of the Qwen3.5 family (dv 128), the demo's (64)
+        for c0 in range(0, dv - dv % 64, 64):
+            _delta_columns_64(S, q, k, v, beta, decay, h, rows, last, out, c0)
+        for c0 in range(dv - dv % 64, dv, 16):
+            _delta_columns_16(S, q, k, v, beta, decay, h, rows, last, out, c0)
+        return
     if rows == 1:  # a decode step: S to last, no choice of arrays for LLVM to check for overlap
         _delta_row(S[h], last[h], q[0, h], k[0, h], v[0, h], beta[0, h], decay[0, h], update, out[0, h])
         return
