@@ -1211,7 +1211,7 @@ def _widen_bf16(bits, wide):
 def _delta_row(before, after, q, k, v, beta, decay, update, o):
     """Gated DeltaNet's step for one head and row (REFERENCE.md section 1): S' = e^g S; u = beta (v -
     S'^T k); S' += k u^T; o = S'^T q, in one pass over S for u and one writing S' and summing o.
-    before, after [dk, dv] (not the same array: _delta_rows); q, k [dk]; v, o, update (scratch for u) [dv];
+    before, after [dk, dv] (not the same array: _delta_rows' loops); q, k [dk]; v, o, update (scratch for u) [dv];
     decay = e^g. Each sum runs over dk in order, so a row's bits never depend on the rows run with it
     (cpu_ops.delta_update is the numpy reference)."""
     dk, dv = before.shape
@@ -1234,29 +1234,30 @@ def delta_rule_rows(S, q, k, v, beta, decay, last, out, lo, hi):
     the cores share them). S [H, dk, dv] the state before the first row (not written); q, k [T, H, dk];
     v [T, H, dv]; beta, decay (e^g) [T, H]; last [H, dk, dv] receives the state after the last row, the
     only state written (a rollback replays the rows it keeps from S: delta_replay); out [T, H, dv]."""
-    T, H, dk = q.shape
-    update = np.empty(v.shape[2], np.float32)
-    between = np.empty((dk if T > 1 else 0, v.shape[2]), np.float32)  # a decode step's row never reads it
     for h in range(lo, hi):
-        _delta_rows(S, q, k, v, beta, decay, h, T, last, between, update, out)
+        _delta_rows(S, q, k, v, beta, decay, h, q.shape[0], last, out)
 
 
 @kernel_jit(inline="always")
-def _delta_rows(S, q, k, v, beta, decay, h, rows, last, between, update, out):
-    """Head h's first `rows` rows from S[h] into last[h], the states between rows alternating between
-    `between` and last[h] so that no row reads the array it writes: LLVM then vectorizes its passes
-    (in place, its overlap check sent them to scalar code, 2.6x the time of a 4-row verify). Every
-    operand a C-contiguous row ([t, h] of C arrays), which the vectorizer needs as well."""
-    dv = S.shape[2]
-    if dv % 16 == 0:  # every head of the Qwen3.5 family (dv 128), the demo's (64)
+def _delta_rows(S, q, k, v, beta, decay, h, rows, last, out):
+    """Head h's first `rows` rows from S[h] into last[h]. Where dv is a multiple of 16 (every head of the
+    Qwen3.5 family: 128; the demo's: 64), delta_columns' blocks of value columns. Else _delta_row's
+    loops, the states between rows alternating between a scratch state and last[h] so that no row reads
+    the array it writes: LLVM then vectorizes its passes (in place, its overlap check sent them to
+    scalar code, 2.6x the time of a 4-row verify); every operand a C-contiguous row ([t, h] of C
+    arrays), which the vectorizer needs as well."""
+    dk, dv = S.shape[1:]
+    if dv % 16 == 0:
         for c0 in range(0, dv - dv % 64, 64):
             _delta_columns_64(S, q, k, v, beta, decay, h, rows, last, out, c0)
         for c0 in range(dv - dv % 64, dv, 16):
             _delta_columns_16(S, q, k, v, beta, decay, h, rows, last, out, c0)
         return
+    update = np.empty(dv, np.float32)
     if rows == 1:  # a decode step: S to last, no choice of arrays for LLVM to check for overlap
         _delta_row(S[h], last[h], q[0, h], k[0, h], v[0, h], beta[0, h], decay[0, h], update, out[0, h])
         return
+    between = np.empty((dk, dv), np.float32)
     for t in range(rows):
         after = last[h] if (rows - 1 - t) % 2 == 0 else between
         before = S[h] if t == 0 else (between if (rows - 1 - t) % 2 == 0 else last[h])
@@ -1266,13 +1267,11 @@ def _delta_rows(S, q, k, v, beta, decay, h, rows, last, between, update, out):
 @kernel_jit()
 def _delta_replay(prior, k, v, beta, decay, rows, S):
     """S = prior after rows [0, rows) of delta_rule_rows (their outputs unread: k stands in for q)."""
-    update = np.empty(v.shape[2], np.float32)
-    between = np.empty((prior.shape[1] if rows > 1 else 0, v.shape[2]), np.float32)  # as delta_rule_rows': one row never reads it
     out = np.empty((rows, prior.shape[0], v.shape[2]), np.float32)
     if rows == 0:
         S[:] = prior
     for h in range(prior.shape[0]):
-        _delta_rows(prior, k, k, v, beta, decay, h, rows, S, between, update, out)
+        _delta_rows(prior, k, k, v, beta, decay, h, rows, S, out)
 
 
 def delta_replay(prior: np.ndarray, row_inputs: tuple, rows: int) -> np.ndarray:
