@@ -27,11 +27,15 @@ class KVCache:
     def append(self, keys: np.ndarray, values: np.ndarray) -> None:
         """Add [kv_heads, T, head_dim] rows."""
         end = self.length + keys.shape[1]
-        if end > self.keys.shape[1]:
-            self._grow(end)
+        self.reserve(end)
         self.keys[:, self.length:end] = keys
         self.values[:, self.length:end] = values
         self.length = end
+
+    def reserve(self, end: int) -> None:
+        """Room for rows [0, end): a kernel may then write rows in place."""
+        if end > self.keys.shape[1]:
+            self._grow(end)
 
     def rows(self, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values of rows [0, end) as a query whose last visible row is end - 1 reads them."""

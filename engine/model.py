@@ -180,6 +180,7 @@ class Model:
         self.norm = norm
         self.lm_head = lm_head  # Linear [V, H], or a head of engine/heads.py
         self.mtp = mtp
+        self.mtp_plan = ops.mtp_plan(mtp) if mtp is not None else None  # the op set's one-call form of mtp_forward, if any
         self.draft_head = draft_head  # logits over the draft shortlist (engine/heads.py); None: lm_head
         self.routing = None  # engine/experts.ExpertRouting of a MoE model's experts, once placed
         threads.start()
@@ -194,7 +195,7 @@ class Model:
     def drop_weights(self) -> None:
         """Let go of the layers and heads before another route's are assembled, so memory (the card's,
         on the GPU) never holds both routes. take_weights makes the model usable again."""
-        self.embed = self.layers = self.norm = self.lm_head = self.mtp = self.draft_head = None
+        self.embed = self.layers = self.norm = self.lm_head = self.mtp = self.mtp_plan = self.draft_head = None
 
     def take_weights(self, other: Model) -> None:
         """Run from now on with other's layers and heads (the same checkpoint under another route).
@@ -205,7 +206,7 @@ class Model:
         if other.config is not self.config:
             raise ValueError("take_weights needs a Model of the same checkpoint")
         self.embed, self.layers, self.norm = other.embed, other.layers, other.norm
-        self.lm_head, self.mtp, self.draft_head = other.lm_head, other.mtp, other.draft_head
+        self.lm_head, self.mtp, self.mtp_plan, self.draft_head = other.lm_head, other.mtp, other.mtp_plan, other.draft_head
         self.use_routing(self.routing)
         self.ops.weights_taken()
 
@@ -288,9 +289,14 @@ class Model:
         the first row of a sequence sits at position 1. last_only: the last row's state only [1, H], all
         a drafter's commit reads; where the op set computes rows alone (LAST_ROW_ALONE) the layer's
         attention output and feed-forward run for that row only (every row's keys and values are cached).
+        The op set may run the whole pass in one call (mtp_plan: CpuOps.mtp_rows), with the same bits.
         """
         head, eps, ops = self.mtp, self.config.rms_norm_eps, self.ops
         ids = np.asarray(next_tokens, dtype=np.int64)
+        if self.mtp_plan is not None:
+            out = ops.mtp_rows(self.mtp_plan, self, state, ids, hidden, last_only)
+            if out is not None:
+                return out
         e = ops.rms_norm(self.embed[ids], head.norm_embedding, eps)
         h = ops.rms_norm(hidden, head.norm_hidden, eps)
         x = head.fc(ops.concat([e, h], axis=-1))  # [T, 2H] -> [T, H], embedding first

@@ -1682,6 +1682,59 @@ def conv_rows(window, taps_by_lag, out):
 
 
 # ---------------------------------------------------------------------------------------------
+# An MTP head's pass in one call (cpu_ops.CpuOps.mtp_rows). A small head's draft pass is some fourteen
+# op calls whose arithmetic is a few microseconds each: the demo's one-row pass took 66 us through the
+# op set, 38 this way (three rows: 76 and 50). The same kernels run in the same order on the same
+# rows, so every row gets the bits the op-by-op pass gives it.
+
+
+@kernel_jit()
+def _lanes_product(lanes, x):
+    """x [T, K] through bf16 weight lanes [B, K, 32] on this thread: [T, B * 32] (_bf16_lanes)."""
+    out = np.empty((x.shape[0], lanes.shape[0] * 32), np.float32)
+    _bf16_lanes(lanes, x, out, np.int64(0), lanes.shape[0] // 2)  # int64, not a literal 0: the signature a Linear compiles
+    return out
+
+
+@kernel_jit()
+def mtp_rows(embedded, hidden, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq, keys, values,
+             past, o_proj, gate_up, down, first, out):
+    """Model.mtp_forward's pass over T rows: embedded [T, H] (the table rows of the tokens x_{t+1}),
+    hidden [T, H] (h_t); norms [5, H]: the embedding's, the hidden state's, the layer's input and
+    post-attention norms and the head's final norm; the Linears as bf16 lanes (rows a multiple of 64).
+    The layer's keys and values go to keys, values [kv, >= past + T, hd] at rows past..; row t sits at
+    position start + t. out [T - first, H]: the head's output for rows first.. (first = T - 1: the
+    last row alone, whose attention and feed-forward alone run, as LAST_ROW_ALONE lets the op set)."""
+    T, H = hidden.shape
+    kv, hd = keys.shape[0], keys.shape[2]
+    e, h = np.empty((T, H), np.float32), np.empty((T, H), np.float32)
+    rms_norm_rows(embedded, norms[0], eps, e)
+    rms_norm_rows(hidden, norms[1], eps, h)
+    both = np.empty((T, 2 * H), np.float32)  # [embedding ; hidden], as fc reads them
+    both[:, :H] = e
+    both[:, H:] = h
+    x = _lanes_product(fc, both)
+    normed = np.empty((T, H), np.float32)
+    rms_norm_rows(x, norms[2], eps, normed)
+    qkv = _lanes_product(qkv_proj, normed)  # [T, heads * 2 hd | kv * hd | kv * hd]
+    q, k = np.empty((T - first, heads, hd), np.float32), np.empty((kv, T, hd), np.float32)
+    qk_norm_rope_rows(qkv, first, q_norm, k_norm, eps, start, inv_freq, q, k)
+    v = 2 * heads * hd + kv * hd  # the first value column
+    for j in range(kv):
+        for t in range(T):
+            keys[j, past + t] = k[j, t]
+            values[j, past + t] = qkv[t, v + j * hd : v + (j + 1) * hd]
+    attended = np.empty((T - first, heads * hd), np.float32)
+    attend_rows(q, keys, values, past + first, qkv[first:], attended, np.int64(0), kv)
+    residual, normed = np.empty((T - first, H), np.float32), np.empty((T - first, H), np.float32)
+    add_rms_norm_rows(x[first:], _lanes_product(o_proj, attended), norms[3], eps, residual, normed)
+    gate_and_up = _lanes_product(gate_up, normed)
+    gated = np.empty((T - first, gate_and_up.shape[1] // 2), np.float32)
+    swiglu_rows(gate_and_up, gated, np.int64(0), T - first)
+    add_rms_norm_rows(residual, _lanes_product(down, gated), norms[4], eps, np.empty_like(residual), out)
+
+
+# ---------------------------------------------------------------------------------------------
 # Repacking at load.
 
 
@@ -2458,6 +2511,13 @@ def _model_kernel_steps() -> list[Callable[[], None]]:
                                                        np.zeros((1, 8, hd, 2), np.float32), np.eye(hd, dtype=np.float32),
                                                        np.ones(hd, np.float32), 2, 0, np.zeros((1, 4 * hd), np.float32),
                                                        np.zeros((1, 2 * hd), np.float32)), 1, split=False))
+    if bf16_dot_kernels()[0] == "avx512":  # an MTP head of hidden 64: one query and one KV head of 16, an MLP of 64
+        lanes = [np.zeros((2 * n, k, 32), np.uint16) for n, k in ((1, 128), (1, 64), (1, 16), (2, 64), (1, 64))]
+        kv_rows = np.zeros((1, 8, 16), np.float32)
+        steps.append(lambda: mtp_rows(x1[:, :64].copy(), x1[:, 64:128].copy(), np.ones((5, 64), np.float32), np.float32(1e-6),
+                                      lanes[0], lanes[1], 1, np.ones(16, np.float32), np.ones(16, np.float32), 1,
+                                      np.ones(4, np.float32), kv_rows, kv_rows.copy(), 0, lanes[2], lanes[3], lanes[4], 0,
+                                      np.zeros((1, 64), np.float32)))
     return steps
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,6 +42,29 @@ DELTANET_SPLIT_MIN = 1 << 17
 # attend_rows splits its KV heads between the cores from this many query-key products (rows x query
 # heads x keys x head dim): ~30 us of work, against a split's ~5 us.
 ATTEND_SPLIT_MIN = 1 << 18
+# An MTP pass runs in one compiled call (compiled.mtp_rows, on one core) below this many multiply-adds
+# (rows x its Linears' weights): ~70 us of products, where splitting them could save at most half
+# against the ~30 us of calls one call saves. The demo's head is 0.79 M a row; a 0.8B head's is ~20 M.
+MTP_ROWS_MAX_PRODUCTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class MTPPlan:
+    """An MTP head as compiled.mtp_rows reads it (CpuOps.mtp_plan): its Linears' bf16 lanes, its norms
+    in fp32."""
+
+    norms: np.ndarray  # [5, H]: the embedding's, the hidden state's, the layer's two, the head's final norm
+    fc: np.ndarray
+    qkv_proj: np.ndarray
+    o_proj: np.ndarray
+    gate_up: np.ndarray
+    down: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    inv_freq: np.ndarray
+    heads: int
+    eps: np.float32
+    products: int  # multiply-adds a row: the weights of the five Linears
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -361,6 +385,45 @@ class CpuOps:
     def mtp_position(self, state: SequenceState, T: int) -> int:
         """The MTP layer sees x_{t+1} at position t + 1: its first row sits one past its cache row."""
         return state.length + 1
+
+    def mtp_plan(self, head) -> MTPPlan | None:
+        """The MTP head (engine/model.py's MTPHead) as compiled.mtp_rows reads it, or None where that
+        kernel cannot run it: compiled steps off, a Linear other than bf16 lanes (AVX-512 CPUs) whose
+        rows fill whole pairs of blocks, a layer other than gated attention with an MLP."""
+        layer = getattr(head, "layer", None)
+        mixer, ffn = getattr(layer, "mixer", None), getattr(layer, "ffn", None)
+        linears = [getattr(head, "fc", None), getattr(mixer, "qkv_proj", None), getattr(mixer, "o_proj", None),
+                   getattr(ffn, "gate_up", None), getattr(ffn, "down", None)]
+        if not self.compiled_steps or not all(isinstance(linear, compiled.BF16Linear) and linear.lanes is not None
+                                              and linear.rows == linear.lanes.shape[0] * 32 for linear in linears):
+            return None
+        c = mixer.config
+        f32 = functools.partial(np.ascontiguousarray, dtype=np.float32)
+        norms = f32(np.stack([head.norm_embedding, head.norm_hidden, layer.input_norm, layer.post_norm, head.norm]))
+        return MTPPlan(norms, *(linear.lanes for linear in linears), f32(mixer.q_norm), f32(mixer.k_norm),
+                       rope_frequencies(c.rotary_dim, c.rope_theta), c.num_attention_heads, np.float32(c.rms_norm_eps),
+                       sum(linear.rows * linear.shape[1] for linear in linears))
+
+    def mtp_rows(self, plan: MTPPlan, model, state: SequenceState, ids: np.ndarray, hidden: np.ndarray,
+                 last_only: bool) -> np.ndarray | None:
+        """Model.mtp_forward's pass in one compiled call (compiled.mtp_rows: the op set's kernels in its
+        order, so its bits), advancing the state; None where the op set's calls serve better: more than
+        MAX_ROWS rows, a cache other than the fp32 KVCache, products or attention the op set would split
+        between the cores (MTP_ROWS_MAX_PRODUCTS, ATTEND_SPLIT_MIN)."""
+        T, cache = len(ids), state.layers[0]
+        first, past = (T - 1 if last_only else 0), cache.length
+        if (T > MAX_ROWS or type(cache) is not KVCache or T * plan.products >= MTP_ROWS_MAX_PRODUCTS
+                or (T - first) * plan.heads * (past + T) * cache.keys.shape[2] >= ATTEND_SPLIT_MIN):
+            return None
+        cache.reserve(past + T)
+        out = np.empty((T - first, hidden.shape[1]), np.float32)
+        compiled.mtp_rows(np.ascontiguousarray(model.embed[ids], np.float32), np.ascontiguousarray(hidden, np.float32),
+                          plan.norms, plan.eps, plan.fc, plan.qkv_proj, plan.heads, plan.q_norm, plan.k_norm,
+                          self.mtp_position(state, T), plan.inv_freq, cache.keys, cache.values, past, plan.o_proj,
+                          plan.gate_up, plan.down, first, out)
+        cache.length = past + T  # the kernel wrote rows past.., as append would have
+        state.advance(T)
+        return out
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return x

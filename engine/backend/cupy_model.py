@@ -314,6 +314,11 @@ class GpuOps:
             return self._last_graph[1].logits
         return model.lm_head(hidden)
 
+    @staticmethod
+    def mtp_plan(head) -> None:
+        """No one-call MTP pass here (CpuOps.mtp_plan): the head's layer runs its own kernels."""
+        return None
+
     def mtp_position(self, state: GpuState, T: int) -> Rows:
         """The MTP layer sees x_{t+1} at position t + 1, its cache holding row t at index t."""
         state.reserve(state.length + T)
