@@ -180,8 +180,8 @@ class Model:
         self.norm = norm
         self.lm_head = lm_head  # Linear [V, H], or a head of engine/heads.py
         self.mtp = mtp
-        self.mtp_plan = ops.mtp_plan(mtp) if mtp is not None else None  # the op set's one-call form of mtp_forward, if any
         self.draft_head = draft_head  # logits over the draft shortlist (engine/heads.py); None: lm_head
+        self.mtp_plan = ops.mtp_plan(self) if mtp is not None else None  # the op set's one-call form of the MTP passes, if any
         self.routing = None  # engine/experts.ExpertRouting of a MoE model's experts, once placed
         threads.start()
 
@@ -278,6 +278,24 @@ class Model:
 
     def _draft_head(self, head_input):
         return (self.lm_head if self.draft_head is None else self.draft_head)(head_input)
+
+    def mtp_greedy_drafts(self, state, hidden, k: int) -> list[int]:
+        """k greedy drafts from `hidden` [1, H], the MTP output of the last committed row: draft i is the
+        draft head's argmax (draft_greedy_ids) on the output before it, and each draft but the last
+        feeds an MTP pass of its own (mtp_forward; their rows stay in state, for a drafter to rewind).
+        The op set may run them all in one call (mtp_plan: CpuOps.mtp_greedy_drafts), with the same ids."""
+        if k < 1:
+            return []
+        if self.mtp_plan is not None:
+            drafts = self.ops.mtp_greedy_drafts(self.mtp_plan, state, hidden, k)
+            if drafts is not None:
+                return drafts
+        drafts = []
+        for i in range(k):
+            if i:
+                hidden = self.mtp_forward(state, [drafts[-1]], hidden)
+            drafts.append(int(self.draft_greedy_ids(hidden)[0]))
+        return drafts
 
     def new_mtp_state(self):
         return self.ops.new_state([self.mtp.layer.mixer.new_cache()])

@@ -192,15 +192,16 @@ class MTPDrafter:
 
     def propose(self, history: list[int], k: int, sampler: Sampler) -> Draft:
         committed_length = self.state.length
+        if argmax_only(sampler.params):
+            tokens = self.model.mtp_greedy_drafts(self.state, self.hidden, k)
+            self.state.rewind(committed_length)
+            return Draft(tokens, [None] * len(tokens), [None] * len(tokens))
         draft, hidden = Draft([], []), self.hidden
         for i in range(k):
             if i:
                 hidden = self.model.mtp_forward(self.state, [draft.tokens[-1]], hidden)
-            if argmax_only(sampler.params):
-                token, q, ids = int(self.model.draft_greedy_ids(hidden)[0]), None, None
-            else:
-                values, ids = self.model.draft_candidates(hidden, candidates_top_k(sampler.params), sampler.params.temperature)
-                token, q = _draw_draft(values[0], ids, sampler, history + draft.tokens)
+            values, ids = self.model.draft_candidates(hidden, candidates_top_k(sampler.params), sampler.params.temperature)
+            token, q = _draw_draft(values[0], ids, sampler, history + draft.tokens)
             draft.tokens.append(token)
             draft.q.append(q)
             draft.q_ids.append(ids)

@@ -1734,6 +1734,38 @@ def mtp_rows(embedded, hidden, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, 
     add_rms_norm_rows(residual, _lanes_product(down, gated), norms[4], eps, np.empty_like(residual), out)
 
 
+@kernel_jit()
+def mtp_greedy_drafts(hidden, embed, draft_rows, draft_ids, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq,
+                      keys, values, past, o_proj, gate_up, down, drafts):
+    """A drafter's greedy MTP drafts in one call: drafts[i] is the draft head's argmax over its rows
+    (draft_rows: bf16 lanes of the ids draft_ids; the first of equal maxima, or the first NaN, as
+    np.argmax) on the MTP output h, first hidden [1, H]; while more are asked, h becomes mtp_rows' pass
+    over that draft (its row of the tied table's lanes `embed`) at the next position, its keys and
+    values cached at rows past, past + 1, ... Per draft this is what Model.draft_greedy_ids and
+    Model.mtp_forward compute, with the same kernels, so the same ids."""
+    H = hidden.shape[1]
+    h, out = hidden.copy(), np.empty((1, H), np.float32)
+    table_row = np.empty((1, H), np.uint32)  # a draft's table row as fp32 bits
+    for i in range(drafts.shape[0]):
+        scores = _lanes_product(draft_rows, h)[0]
+        best, top = 0, scores[0]
+        if top == top:
+            for j in range(1, draft_ids.shape[0]):
+                if scores[j] != scores[j]:
+                    best = j
+                    break
+                if scores[j] > top:
+                    best, top = j, scores[j]
+        drafts[i] = draft_ids[best]
+        if i + 1 < drafts.shape[0]:
+            block, lane = drafts[i] // 32, drafts[i] % 32
+            for d in range(H):
+                table_row[0, d] = np.uint32(embed[block, d, lane]) << np.uint32(16)  # bf16 is the top half of an fp32
+            mtp_rows(table_row.view(np.float32), h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start + i, inv_freq,
+                     keys, values, past + i, o_proj, gate_up, down, np.int64(0), out)
+            h[:] = out
+
+
 # ---------------------------------------------------------------------------------------------
 # Repacking at load.
 
@@ -2514,10 +2546,13 @@ def _model_kernel_steps() -> list[Callable[[], None]]:
     if bf16_dot_kernels()[0] == "avx512":  # an MTP head of hidden 64: one query and one KV head of 16, an MLP of 64
         lanes = [np.zeros((2 * n, k, 32), np.uint16) for n, k in ((1, 128), (1, 64), (1, 16), (2, 64), (1, 64))]
         kv_rows = np.zeros((1, 8, 16), np.float32)
-        steps.append(lambda: mtp_rows(x1[:, :64].copy(), x1[:, 64:128].copy(), np.ones((5, 64), np.float32), np.float32(1e-6),
-                                      lanes[0], lanes[1], 1, np.ones(16, np.float32), np.ones(16, np.float32), 1,
-                                      np.ones(4, np.float32), kv_rows, kv_rows.copy(), 0, lanes[2], lanes[3], lanes[4], 0,
+        norms, vector, inv_freq = np.ones((5, 64), np.float32), np.ones(16, np.float32), np.ones(4, np.float32)
+        steps.append(lambda: mtp_rows(x1[:, :64].copy(), x1[:, 64:128].copy(), norms, np.float32(1e-6), lanes[0], lanes[1], 1,
+                                      vector, vector, 1, inv_freq, kv_rows, kv_rows.copy(), 0, lanes[2], lanes[3], lanes[4], 0,
                                       np.zeros((1, 64), np.float32)))
+        steps.append(lambda: mtp_greedy_drafts(x1[:, :64].copy(), lanes[4], lanes[4], np.arange(64), norms, np.float32(1e-6), lanes[0],
+                                               lanes[1], 1, vector, vector, 1, inv_freq, kv_rows, kv_rows.copy(), 0, lanes[2],
+                                               lanes[3], lanes[4], np.zeros(2, np.int64)))
     return steps
 
 

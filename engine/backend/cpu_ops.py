@@ -48,6 +48,11 @@ ATTEND_SPLIT_MIN = 1 << 18
 MTP_ROWS_MAX_PRODUCTS = 1 << 22
 
 
+def _in_lanes(linear) -> bool:
+    """Whether a Linear is compiled bf16 lanes (AVX-512 CPUs) whose rows fill whole pairs of 32-row blocks."""
+    return isinstance(linear, compiled.BF16Linear) and linear.lanes is not None and linear.rows == linear.lanes.shape[0] * 32
+
+
 @dataclass(frozen=True)
 class MTPPlan:
     """An MTP head as compiled.mtp_rows reads it (CpuOps.mtp_plan): its Linears' bf16 lanes, its norms
@@ -65,6 +70,11 @@ class MTPPlan:
     heads: int
     eps: np.float32
     products: int  # multiply-adds a row: the weights of the five Linears
+    # For greedy drafts in one call (compiled.mtp_greedy_drafts), or None: the token table's bf16 lanes
+    # (a tied table, the head's own), the draft head's lanes and the ids of their rows.
+    embed: np.ndarray | None
+    draft_rows: np.ndarray | None
+    draft_ids: np.ndarray | None
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -386,23 +396,32 @@ class CpuOps:
         """The MTP layer sees x_{t+1} at position t + 1: its first row sits one past its cache row."""
         return state.length + 1
 
-    def mtp_plan(self, head) -> MTPPlan | None:
-        """The MTP head (engine/model.py's MTPHead) as compiled.mtp_rows reads it, or None where that
-        kernel cannot run it: compiled steps off, a Linear other than bf16 lanes (AVX-512 CPUs) whose
-        rows fill whole pairs of blocks, a layer other than gated attention with an MLP."""
+    def mtp_plan(self, model) -> MTPPlan | None:
+        """The model's MTP head (engine/model.py's MTPHead) as compiled.mtp_rows reads it, or None where
+        that kernel cannot run it: compiled steps off, a Linear other than bf16 lanes (AVX-512 CPUs)
+        whose rows fill whole pairs of blocks, a layer other than gated attention with an MLP. Greedy
+        drafts run in one call too where the token table and the draft head (model.draft_head, else
+        lm_head) are such lanes as well."""
+        head = model.mtp
         layer = getattr(head, "layer", None)
         mixer, ffn = getattr(layer, "mixer", None), getattr(layer, "ffn", None)
         linears = [getattr(head, "fc", None), getattr(mixer, "qkv_proj", None), getattr(mixer, "o_proj", None),
                    getattr(ffn, "gate_up", None), getattr(ffn, "down", None)]
-        if not self.compiled_steps or not all(isinstance(linear, compiled.BF16Linear) and linear.lanes is not None
-                                              and linear.rows == linear.lanes.shape[0] * 32 for linear in linears):
+        if not self.compiled_steps or not all(map(_in_lanes, linears)):
             return None
         c = mixer.config
         f32 = functools.partial(np.ascontiguousarray, dtype=np.float32)
         norms = f32(np.stack([head.norm_embedding, head.norm_hidden, layer.input_norm, layer.post_norm, head.norm]))
+        if isinstance(model.draft_head, ShortlistHead):
+            draft_head, draft_ids = model.draft_head.linear, model.draft_head.ids
+        else:
+            draft_head, draft_ids = model.lm_head, np.arange(getattr(model.lm_head, "rows", 0))
+        greedy = _in_lanes(model.embed) and _in_lanes(draft_head)
         return MTPPlan(norms, *(linear.lanes for linear in linears), f32(mixer.q_norm), f32(mixer.k_norm),
                        rope_frequencies(c.rotary_dim, c.rope_theta), c.num_attention_heads, np.float32(c.rms_norm_eps),
-                       sum(linear.rows * linear.shape[1] for linear in linears))
+                       sum(linear.rows * linear.shape[1] for linear in linears),
+                       model.embed.lanes if greedy else None, draft_head.lanes if greedy else None,
+                       np.ascontiguousarray(draft_ids, np.int64) if greedy else None)
 
     def mtp_rows(self, plan: MTPPlan, model, state: SequenceState, ids: np.ndarray, hidden: np.ndarray,
                  last_only: bool) -> np.ndarray | None:
@@ -424,6 +443,26 @@ class CpuOps:
         cache.length = past + T  # the kernel wrote rows past.., as append would have
         state.advance(T)
         return out
+
+    def mtp_greedy_drafts(self, plan: MTPPlan, state: SequenceState, hidden: np.ndarray, k: int) -> list[int] | None:
+        """Model.mtp_greedy_drafts in one compiled call (compiled.mtp_greedy_drafts: per draft the
+        kernels of draft_greedy_ids and mtp_rows, so the same ids), leaving the state as its k - 1 passes
+        would; None where those calls serve: no greedy form in the plan, or a pass mtp_rows declines."""
+        cache = state.layers[0]
+        past = cache.length
+        if (plan.draft_rows is None or type(cache) is not KVCache or plan.products >= MTP_ROWS_MAX_PRODUCTS
+                or plan.heads * (past + k) * cache.keys.shape[2] >= ATTEND_SPLIT_MIN):
+            return None
+        cache.reserve(past + k)
+        drafts = np.empty(k, np.int64)
+        compiled.mtp_greedy_drafts(np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids,
+                                   plan.norms, plan.eps, plan.fc, plan.qkv_proj, plan.heads, plan.q_norm, plan.k_norm,
+                                   self.mtp_position(state, 1), plan.inv_freq, cache.keys, cache.values, past, plan.o_proj,
+                                   plan.gate_up, plan.down, drafts)
+        cache.length = past + k - 1
+        for _ in range(k - 1):
+            state.advance(1)
+        return drafts.tolist()
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return x

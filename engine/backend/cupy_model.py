@@ -315,7 +315,7 @@ class GpuOps:
         return model.lm_head(hidden)
 
     @staticmethod
-    def mtp_plan(head) -> None:
+    def mtp_plan(model) -> None:
         """No one-call MTP pass here (CpuOps.mtp_plan): the head's layer runs its own kernels."""
         return None
 

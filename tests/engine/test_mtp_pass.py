@@ -1,11 +1,14 @@
-"""The MTP head's pass in one compiled call (CpuOps.mtp_rows: compiled.mtp_rows) against the same pass
-through the op set's calls (Model.mtp_forward without a plan), which test_model_parity.py holds to
-transformers: every output row and every cached key and value with the same bits, so exact drafting
-stays exact. On the demo checkpoint, whose bf16 Linears run as lanes on AVX-512 CPUs."""
+"""The MTP head's pass in one compiled call (CpuOps.mtp_rows: compiled.mtp_rows), and a cycle's greedy
+drafts in one (CpuOps.mtp_greedy_drafts), against the same work through the op set's calls
+(Model.mtp_forward and draft_greedy_ids without a plan), which test_model_parity.py and
+test_heads.py hold to transformers and to the whole head: every output row and every cached key and
+value with the same bits, the same draft ids. On the demo checkpoint, whose bf16 Linears run as lanes
+on AVX-512 CPUs."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,9 +26,13 @@ def demo():
 
 
 def test_the_head_has_a_plan_where_its_lanes_kernels_run(demo):
-    assert (demo.mtp_plan is not None) == (compiled.bf16_dot_kernels()[0] == "avx512")
-    assert CpuOps(compiled_steps=False).mtp_plan(demo.mtp) is None
-    assert CpuOps().mtp_plan(demo.layers[0]) is None  # not an MTP head: no fc, no attention layer
+    lanes = compiled.bf16_dot_kernels()[0] == "avx512"
+    assert (demo.mtp_plan is not None) == lanes
+    if lanes:  # the tied table and the shortlist's rows are lanes too: greedy drafts run in one call
+        assert demo.mtp_plan.embed is demo.embed.lanes and demo.mtp_plan.draft_rows is demo.draft_head.linear.lanes
+        np.testing.assert_array_equal(demo.mtp_plan.draft_ids, demo.draft_head.ids)
+    assert CpuOps(compiled_steps=False).mtp_plan(demo) is None
+    assert CpuOps().mtp_plan(SimpleNamespace(mtp=demo.layers[0])) is None  # not an MTP head: no fc, no attention layer
 
 
 def _passes(model, ids, hidden, past: int, last_only: bool):
@@ -59,3 +66,31 @@ def test_one_call_gives_each_row_the_op_sets_bits(demo, monkeypatch, past, last_
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     np.testing.assert_array_equal(one_call[1], op_calls[1])
     np.testing.assert_array_equal(one_call[2], op_calls[2])
+
+
+@pytest.mark.parametrize("past", [40, 1100])
+def test_greedy_drafts_in_one_call_are_the_op_sets_drafts(demo, monkeypatch, past):
+    ids = np.random.default_rng(past + 1).integers(0, demo.config.vocab_size, past + 2)
+    hidden = demo.forward(demo.new_state(), ids)
+    plan = demo.mtp_plan
+    calls = []
+    kernel = compiled.mtp_greedy_drafts
+    monkeypatch.setattr(compiled, "mtp_greedy_drafts", lambda *args: (calls.append(len(args[-1])), kernel(*args)))
+
+    def drafts(k: int):
+        state = demo.new_mtp_state()
+        last = demo.mtp_forward(state, ids[1 : past + 2], hidden[: past + 1], last_only=True)
+        tokens = demo.mtp_greedy_drafts(state, last, k)
+        cache = state.layers[0]
+        return tokens, (state.length, state.length_before_last_call, cache.length), cache.keys[:, : cache.length].copy()
+
+    for k in (1, 2, 4, 7):
+        monkeypatch.setattr(demo, "mtp_plan", plan)
+        one_call = drafts(k)
+        monkeypatch.setattr(demo, "mtp_plan", None)
+        op_calls = drafts(k)
+        assert len(one_call[0]) == k and one_call[0] == op_calls[0] and one_call[1] == op_calls[1]
+        np.testing.assert_array_equal(one_call[2], op_calls[2])
+    if plan is not None:
+        assert calls == ([1, 2, 4, 7] if past == 40 else [])
+    assert demo.mtp_greedy_drafts(demo.new_mtp_state(), hidden[:1], 0) == []
