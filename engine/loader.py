@@ -128,9 +128,11 @@ def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None
     model = assemble_on(weights, chosen, host_tables, chosen_backend, opened.location, on_card)
     if isinstance(model.ops, CpuOps):  # the CPU's after all (a weight the GPU kernels do not take): nothing to place
         chosen_backend, on_card = "cpu", None
-    # The CPU's kernels: the model's, or its host experts', and the sampler's (on the host whatever the backend)
+    # The CPU's kernels: the model's, or its host experts', the sampler's (on the host whatever the backend),
+    # and its MTP passes' in one call where it has their plan
     compiled.compile_kernels(progress and (lambda done, total: progress(LoadProgress(done, total, LoadProgress.KERNELS))),
-                             model_kernels=chosen_backend == "cpu" or on_card is not None, also=[compiled_sampling.warm_up])
+                             model_kernels=chosen_backend == "cpu" or on_card is not None,
+                             also=[compiled_sampling.warm_up] + (compiled.mtp_kernel_steps() if model.mtp_plan is not None else []))
     lm = LoadedModel(opened.name, opened.location, opened.config, model,
                      opened.tokenizer, route=chosen, routes=opened.routes,
                      weights=weights if len(opened.routes) > 1 or on_card is not None else None, host_tables=host_tables,

@@ -563,7 +563,7 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     from duet.engine import GenerateOptions, KVCache, SamplingParams, generate, load_model
 
     reports = []
-    compiled.compile_kernels(lambda done, total: reports.append((done, total)), also=[compiled_sampling.warm_up])
+    compiled.compile_kernels(lambda done, total: reports.append((done, total)), also=[compiled_sampling.warm_up, *compiled.mtp_kernel_steps()])
     assert reports == [(i, len(reports)) for i in range(1, len(reports) + 1)] and len(reports) >= 5
     w4a8 = [compiled._w4a8_rows, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] != "generic" else \
         [compiled._w4a8_rows_loops, compiled._w4a8_bytes]

@@ -94,3 +94,15 @@ def test_greedy_drafts_in_one_call_are_the_op_sets_drafts(demo, monkeypatch, pas
     if plan is not None:
         assert calls == ([1, 2, 4, 7] if past == 40 else [])
     assert demo.mtp_greedy_drafts(demo.new_mtp_state(), hidden[:1], 0) == []
+
+
+def test_only_a_model_with_a_plan_loads_the_one_call_kernels(monkeypatch):
+    """Held in memory the two kernels cost ~10 MB: a model that cannot use them does not prepare them."""
+    prepared = []
+    steps = compiled.mtp_kernel_steps
+    monkeypatch.setattr(compiled, "mtp_kernel_steps", lambda: prepared.append(True) or steps())
+    assert load_model(MODELS / "demo_int4").model.mtp_plan is None
+    load_model(MODELS / "demo_gguf" / "demo-q8_0.gguf")
+    assert prepared == []
+    planned = load_model(MODELS / "demo").model.mtp_plan is not None
+    assert prepared == [True] * planned
