@@ -196,6 +196,10 @@ class MTPDrafter:
             tokens = self.model.mtp_greedy_drafts(self.state, self.hidden, k)
             self.state.rewind(committed_length)
             return Draft(tokens, [None] * len(tokens), [None] * len(tokens))
+        drafted = self.model.mtp_sampled_drafts(self.state, self.hidden, k, sampler.params, sampler.rng.random)
+        if drafted is not None:
+            self.state.rewind(committed_length)
+            return Draft(*drafted)
         draft, hidden = Draft([], []), self.hidden
         for i in range(k):
             if i:

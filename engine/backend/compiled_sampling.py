@@ -269,6 +269,52 @@ def draw_index(probs: np.ndarray, u: float) -> int:
     return int(_draw_index(np.ascontiguousarray(probs), float(u)))
 
 
+@jit
+def mtp_sampled_drafts(hidden, embed, draft_rows, draft_ids, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq,
+                       keys, values, past, o_proj, gate_up, down, top_k, temperature, top_p, uniforms, drafts, q, q_ids, counts):
+    """A drafter's sampled MTP drafts in one call, as compiled.mtp_greedy_drafts with a draw for the
+    argmax: per draft, the draft head's logits over its rows (draft_rows: bf16 lanes of the ids
+    draft_ids), the candidates top-k keeps (_top_k_columns), warped (_warp_rows), their float32
+    softmax q (softmax_rows) and the draw at uniforms[i] (_draw_index): the steps and bits of
+    Model.draft_candidates and speculative._draw_draft without penalties or min-p. Draft i's q and
+    its ids fill q[i, :counts[i]] and q_ids[i, :counts[i]]."""
+    H = hidden.shape[1]
+    h, out = hidden.copy(), np.empty((1, H), np.float32)
+    table_row = np.empty((1, H), np.uint32)  # a draft's table row as fp32 bits
+    for i in range(drafts.shape[0]):
+        kept, columns = _top_k_columns(compiled._lanes_product(draft_rows, h), top_k, temperature)
+        warped = _warp_rows(kept, temperature, top_k, top_p)
+        probs = np.empty(warped.shape, np.float32)
+        softmax_rows(warped, probs)
+        n = columns.shape[0]
+        counts[i] = n
+        for c in range(n):
+            q[i, c] = probs[0, c]
+            q_ids[i, c] = draft_ids[columns[c]]
+        drafts[i] = q_ids[i, _draw_index(probs[0], uniforms[i])]
+        if i + 1 < drafts.shape[0]:
+            block, lane = drafts[i] // 32, drafts[i] % 32
+            for d in range(H):
+                table_row[0, d] = np.uint32(embed[block, d, lane]) << np.uint32(16)  # bf16 is the top half of an fp32
+            compiled.mtp_rows(table_row.view(np.float32), h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start + i,
+                              inv_freq, keys, values, past + i, o_proj, gate_up, down, np.int64(0), out)
+            h[:] = out
+
+
+def mtp_drafting_steps() -> list:
+    """compile_kernels' steps for a model with an MTP plan (cpu_ops.CpuOps.mtp_plan): the one-call
+    passes (compiled.mtp_kernel_steps) and the sampled drafts' kernel, on the same tiny head."""
+    steps = compiled.mtp_kernel_steps()
+    if not steps:
+        return []
+    lanes = [np.zeros((2 * n, k, 32), np.uint16) for n, k in ((1, 128), (1, 64), (1, 16), (2, 64), (1, 64))]
+    kv_rows, vector, q = np.zeros((1, 8, 16), np.float32), np.ones(16, np.float32), np.zeros((2, 64), np.float32)
+    return steps + [lambda: mtp_sampled_drafts(np.ones((1, 64), np.float32), lanes[4], lanes[4], np.arange(64), np.ones((5, 64), np.float32),
+                                               np.float32(1e-6), lanes[0], lanes[1], 1, vector, vector, 1, vector[:4].copy(), kv_rows,
+                                               kv_rows.copy(), 0, lanes[2], lanes[3], lanes[4], 2, np.float32(0.7), 0.9,
+                                               np.full(2, 0.5), np.zeros(2, np.int64), q, np.zeros((2, 64), np.int64), np.zeros(2, np.int64))]
+
+
 def warm_up() -> None:
     """Compile (or load from the disk cache) each kernel for the argument types the sampler passes."""
     rows = np.array([[1.0, 3.0, -np.inf, 2.0]], np.float32)

@@ -70,8 +70,9 @@ class MTPPlan:
     heads: int
     eps: np.float32
     products: int  # multiply-adds a row: the weights of the five Linears
-    # For greedy drafts in one call (compiled.mtp_greedy_drafts), or None: the token table's bf16 lanes
-    # (a tied table, the head's own), the draft head's lanes and the ids of their rows.
+    # For a cycle's drafts in one call (compiled.mtp_greedy_drafts, compiled_sampling.mtp_sampled_drafts),
+    # or None: the token table's bf16 lanes (a tied table, the head's own), the draft head's lanes and
+    # the ids of their rows.
     embed: np.ndarray | None
     draft_rows: np.ndarray | None
     draft_ids: np.ndarray | None
@@ -399,7 +400,7 @@ class CpuOps:
     def mtp_plan(self, model) -> MTPPlan | None:
         """The model's MTP head (engine/model.py's MTPHead) as compiled.mtp_rows reads it, or None where
         that kernel cannot run it: compiled steps off, a Linear other than bf16 lanes (AVX-512 CPUs)
-        whose rows fill whole pairs of blocks, a layer other than gated attention with an MLP. Greedy
+        whose rows fill whole pairs of blocks, a layer other than gated attention with an MLP. A cycle's
         drafts run in one call too where the token table and the draft head (model.draft_head, else
         lm_head) are such lanes as well."""
         head = model.mtp
@@ -447,22 +448,53 @@ class CpuOps:
     def mtp_greedy_drafts(self, plan: MTPPlan, state: SequenceState, hidden: np.ndarray, k: int) -> list[int] | None:
         """Model.mtp_greedy_drafts in one compiled call (compiled.mtp_greedy_drafts: per draft the
         kernels of draft_greedy_ids and mtp_rows, so the same ids), leaving the state as its k - 1 passes
-        would; None where those calls serve: no greedy form in the plan, or a pass mtp_rows declines."""
-        cache = state.layers[0]
-        past = cache.length
-        if (plan.draft_rows is None or type(cache) is not KVCache or plan.products >= MTP_ROWS_MAX_PRODUCTS
-                or plan.heads * (past + k) * cache.keys.shape[2] >= ATTEND_SPLIT_MIN):
+        would; None where those calls serve: no drafting form in the plan, or a pass mtp_rows declines."""
+        if not self._drafts_fit(plan, state, k):
             return None
-        cache.reserve(past + k)
-        drafts = np.empty(k, np.int64)
+        past, drafts = state.layers[0].length, np.empty(k, np.int64)
         compiled.mtp_greedy_drafts(np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids,
                                    plan.norms, plan.eps, plan.fc, plan.qkv_proj, plan.heads, plan.q_norm, plan.k_norm,
-                                   self.mtp_position(state, 1), plan.inv_freq, cache.keys, cache.values, past, plan.o_proj,
-                                   plan.gate_up, plan.down, drafts)
-        cache.length = past + k - 1
+                                   self.mtp_position(state, 1), plan.inv_freq, state.layers[0].keys, state.layers[0].values,
+                                   past, plan.o_proj, plan.gate_up, plan.down, drafts)
+        self._drafted(state, k)
+        return drafts.tolist()
+
+    def mtp_sampled_drafts(self, plan: MTPPlan, state: SequenceState, hidden: np.ndarray, k: int, params,
+                           uniforms) -> tuple[list[int], list[np.ndarray], list[np.ndarray]] | None:
+        """Model.mtp_sampled_drafts in one compiled call (compiled_sampling.mtp_sampled_drafts: per draft
+        the kernels of draft_candidates, the warpers, the softmax and the draw, so the same drafts and
+        q), drawing uniforms(k) only then; None where those calls serve: as mtp_greedy_drafts, or
+        sampling with penalties, min-p, or a top-k that keeps the whole shortlist."""
+        if (not self._drafts_fit(plan, state, k) or params.greedy or params.penalizes or params.min_p > 0
+                or not 0 < params.top_k < len(plan.draft_ids)):
+            return None
+        past, drafts, counts = state.layers[0].length, np.empty(k, np.int64), np.empty(k, np.int64)
+        q, q_ids = np.empty((k, len(plan.draft_ids)), np.float32), np.empty((k, len(plan.draft_ids)), np.int64)
+        compiled_sampling.mtp_sampled_drafts(np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids,
+                                             plan.norms, plan.eps, plan.fc, plan.qkv_proj, plan.heads, plan.q_norm, plan.k_norm,
+                                             self.mtp_position(state, 1), plan.inv_freq, state.layers[0].keys,
+                                             state.layers[0].values, past, plan.o_proj, plan.gate_up, plan.down, int(params.top_k),
+                                             np.float32(params.temperature), float(params.top_p), uniforms(k), drafts, q, q_ids, counts)
+        self._drafted(state, k)
+        return drafts.tolist(), [q[i, :n] for i, n in enumerate(counts)], [q_ids[i, :n] for i, n in enumerate(counts)]
+
+    @staticmethod
+    def _drafts_fit(plan: MTPPlan, state: SequenceState, k: int) -> bool:
+        """Whether k drafts can run in one call: the plan has a drafting form, the cache is the fp32
+        KVCache, and no pass would be one mtp_rows declines; if so, the cache has room for them."""
+        cache = state.layers[0]
+        if (plan.draft_rows is None or type(cache) is not KVCache or plan.products >= MTP_ROWS_MAX_PRODUCTS
+                or plan.heads * (cache.length + k) * cache.keys.shape[2] >= ATTEND_SPLIT_MIN):
+            return False
+        cache.reserve(cache.length + k)
+        return True
+
+    @staticmethod
+    def _drafted(state: SequenceState, k: int) -> None:
+        """The state as k - 1 one-row MTP passes leave it (a drafting kernel wrote their rows)."""
+        state.layers[0].length += k - 1
         for _ in range(k - 1):
             state.advance(1)
-        return drafts.tolist()
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return x

@@ -563,7 +563,7 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     from duet.engine import GenerateOptions, KVCache, SamplingParams, generate, load_model
 
     reports = []
-    compiled.compile_kernels(lambda done, total: reports.append((done, total)), also=[compiled_sampling.warm_up, *compiled.mtp_kernel_steps()])
+    compiled.compile_kernels(lambda done, total: reports.append((done, total)), also=[compiled_sampling.warm_up, *compiled_sampling.mtp_drafting_steps()])
     assert reports == [(i, len(reports)) for i in range(1, len(reports) + 1)] and len(reports) >= 5
     w4a8 = [compiled._w4a8_rows, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] != "generic" else \
         [compiled._w4a8_rows_loops, compiled._w4a8_bytes]
@@ -571,7 +571,8 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     kernels = [*w4a8, w4a16, compiled._dense, compiled.deltanet_heads,
                compiled.rms_norm_rows, compiled.add_rms_norm_rows, compiled.qk_norm_rope_rows, compiled.swiglu_rows, compiled.conv_rows, compiled.attend_rows, compiled.attend_q4_rows,
                compiled._delta_replay]
-    mtp = [compiled.mtp_rows, compiled.mtp_greedy_drafts] if compiled.bf16_dot_kernels()[0] == "avx512" else []  # MTP passes in one call
+    mtp = [compiled.mtp_rows, compiled.mtp_greedy_drafts, compiled_sampling.mtp_sampled_drafts] \
+        if compiled.bf16_dot_kernels()[0] == "avx512" else []  # MTP passes in one call
     kernels += mtp
     drivers = [compiled.parts_driver(kernel) for kernel in kernels[:5]]  # the same kernels split between threads
     # the sampler's: softmax into float32 (probabilities) and float64 (a pick), draws from either

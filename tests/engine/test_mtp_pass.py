@@ -1,9 +1,10 @@
 """The MTP head's pass in one compiled call (CpuOps.mtp_rows: compiled.mtp_rows), and a cycle's greedy
-drafts in one (CpuOps.mtp_greedy_drafts), against the same work through the op set's calls
-(Model.mtp_forward and draft_greedy_ids without a plan), which test_model_parity.py and
-test_heads.py hold to transformers and to the whole head: every output row and every cached key and
-value with the same bits, the same draft ids. On the demo checkpoint, whose bf16 Linears run as lanes
-on AVX-512 CPUs."""
+or sampled drafts in one (CpuOps.mtp_greedy_drafts, mtp_sampled_drafts), against the same work through
+the op set's calls (Model.mtp_forward, draft_greedy_ids, draft_candidates and the sampler's steps
+without a plan), which test_model_parity.py, test_heads.py and test_sampling_kernels.py hold to
+transformers, the whole head and numpy: every output row and every cached key and value with the same
+bits, the same drafts, the same q and the same draws of the generator. On the demo checkpoint, whose
+bf16 Linears run as lanes on AVX-512 CPUs."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from duet.engine import load_model
-from duet.engine.backend import compiled
+from duet.engine import SamplingParams, load_model
+from duet.engine.backend import compiled, compiled_sampling
 from duet.engine.backend.cpu_ops import CpuOps
+from duet.engine.sampling import Sampler
+from duet.engine.speculative import MTPDrafter
 
 MODELS = Path(__file__).resolve().parents[2] / "models"
 
@@ -106,3 +109,34 @@ def test_only_a_model_with_a_plan_loads_the_one_call_kernels(monkeypatch):
     assert prepared == []
     planned = load_model(MODELS / "demo").model.mtp_plan is not None
     assert prepared == [True] * planned
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7, top_k=20, top_p=0.95),
+                                    SamplingParams(temperature=1.3, top_k=200),
+                                    SamplingParams(temperature=0.7, top_k=20, repetition_penalty=1.1)])  # penalties: the drafter's own steps
+def test_sampled_drafts_in_one_call_are_the_drafters_own(demo, monkeypatch, params):
+    prompt = list(np.random.default_rng(9).integers(0, demo.config.vocab_size, 60))
+    hidden = demo.forward(demo.new_state(), prompt)
+    plan = demo.mtp_plan
+    calls = []
+    kernel = compiled_sampling.mtp_sampled_drafts
+    monkeypatch.setattr(compiled_sampling, "mtp_sampled_drafts", lambda *args: (calls.append(len(args[-4])), kernel(*args)))
+
+    def drafts(k: int, seed: int):
+        drafter, sampler = MTPDrafter(demo), Sampler(SamplingParams(**{**params.__dict__, "seed": seed}))
+        drafter.start(prompt, hidden, 7)
+        draft = drafter.propose(prompt + [7], k, sampler)
+        assert drafter.state.length == len(prompt)  # the drafts' rows rolled back
+        return draft, sampler.rng.random()  # the next draw: the generator moved as far
+
+    for k, seed in ((1, 0), (3, 1), (4, 2), (7, 3)):
+        monkeypatch.setattr(demo, "mtp_plan", plan)
+        one_call, after = drafts(k, seed)
+        monkeypatch.setattr(demo, "mtp_plan", None)
+        op_calls, op_after = drafts(k, seed)
+        assert one_call.tokens == op_calls.tokens and len(one_call.tokens) == k and after == op_after
+        for q, q_ids, want_q, want_ids in zip(one_call.q, one_call.q_ids, op_calls.q, op_calls.q_ids):
+            np.testing.assert_array_equal(q.view(np.uint32), want_q.view(np.uint32))
+            np.testing.assert_array_equal(q_ids, want_ids)
+    if plan is not None:
+        assert calls == ([] if params.penalizes else [1, 3, 4, 7])

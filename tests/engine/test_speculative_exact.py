@@ -568,6 +568,7 @@ import torch  # noqa: E402
 from duet.engine.choices import Accept  # noqa: E402
 from duet.engine.choices import Draft as DraftChoice  # noqa: E402
 from duet.engine.errors import DuetError  # noqa: E402
+from duet.engine.model import Model  # noqa: E402
 from duet.engine.speculative import (  # noqa: E402
     Depth,
     DraftCosts,
@@ -643,6 +644,10 @@ class SymbolicModel:
     """Stands in for Model's MTP interface. An MTP output is the symbol ("mtp", the cache rows up to
     its own), so it names exactly what the layer attended to; draft logits are a fixed pseudo-random
     function of the symbol they are computed from."""
+
+    mtp_plan = None  # no one-call form: Model's own loops draft (mtp_forward, then the draft head)
+    mtp_greedy_drafts = Model.mtp_greedy_drafts
+    mtp_sampled_drafts = Model.mtp_sampled_drafts
 
     def __init__(self, vocab: int = 6):
         self.vocab, self.mtp, self.calls = vocab, "head", []
