@@ -2546,6 +2546,16 @@ def _model_kernel_steps() -> list[Callable[[], None]]:
     return steps
 
 
+def tiny_mtp_head() -> tuple:
+    """The arguments the MTP kernels share, mtp_rows' from norms to down, for a head of hidden 64 (one
+    query and one KV head of 16, an MLP of 64; its embedding and draft rows: `down`'s lanes): the
+    compile steps' inputs (mtp_kernel_steps, compiled_sampling.mtp_drafting_steps)."""
+    lanes = [np.zeros((2 * n, k, 32), np.uint16) for n, k in ((1, 128), (1, 64), (1, 16), (2, 64), (1, 64))]
+    kv_rows, vector = np.zeros((1, 8, 16), np.float32), np.ones(16, np.float32)
+    return (np.ones((5, 64), np.float32), np.float32(1e-6), lanes[0], lanes[1], 1, vector, vector, 1, np.ones(4, np.float32),
+            kv_rows, kv_rows.copy(), 0, lanes[2], lanes[3], lanes[4])
+
+
 def mtp_kernel_steps() -> list[Callable[[], None]]:
     """compile_kernels' steps for the MTP passes in one call (mtp_rows, mtp_greedy_drafts), for a model
     with an MTP plan (cpu_ops.CpuOps.mtp_plan) alone (compiled_sampling.mtp_drafting_steps): held in
@@ -2553,16 +2563,10 @@ def mtp_kernel_steps() -> list[Callable[[], None]]:
     would carry for nothing."""
     if bf16_dot_kernels()[0] != "avx512":
         return []
-    # an MTP head of hidden 64: one query and one KV head of 16, an MLP of 64
-    lanes = [np.zeros((2 * n, k, 32), np.uint16) for n, k in ((1, 128), (1, 64), (1, 16), (2, 64), (1, 64))]
-    kv_rows = np.zeros((1, 8, 16), np.float32)
-    x = np.random.default_rng(0).standard_normal((1, 64), np.float32)
-    norms, vector, inv_freq = np.ones((5, 64), np.float32), np.ones(16, np.float32), np.ones(4, np.float32)
-    return [lambda: mtp_rows(x, x.copy(), norms, np.float32(1e-6), lanes[0], lanes[1], 1, vector, vector, 1, inv_freq, kv_rows,
-                             kv_rows.copy(), 0, lanes[2], lanes[3], lanes[4], 0, np.zeros((1, 64), np.float32)),
-            lambda: mtp_greedy_drafts(x, lanes[4], lanes[4], np.arange(64), norms, np.float32(1e-6), lanes[0], lanes[1], 1, vector,
-                                      vector, 1, inv_freq, kv_rows, kv_rows.copy(), 0, lanes[2], lanes[3], lanes[4],
-                                      np.zeros(2, np.int64))]
+    head, x = tiny_mtp_head(), np.ones((1, 64), np.float32)
+    rows = head[-1]
+    return [lambda: mtp_rows(x, x.copy(), *head, 0, np.zeros((1, 64), np.float32)),
+            lambda: mtp_greedy_drafts(x, rows, rows, np.arange(64), *head, np.zeros(2, np.int64))]
 
 
 def make_linear(weight, route: str):

@@ -307,12 +307,11 @@ def mtp_drafting_steps() -> list:
     steps = compiled.mtp_kernel_steps()
     if not steps:
         return []
-    lanes = [np.zeros((2 * n, k, 32), np.uint16) for n, k in ((1, 128), (1, 64), (1, 16), (2, 64), (1, 64))]
-    kv_rows, vector, q = np.zeros((1, 8, 16), np.float32), np.ones(16, np.float32), np.zeros((2, 64), np.float32)
-    return steps + [lambda: mtp_sampled_drafts(np.ones((1, 64), np.float32), lanes[4], lanes[4], np.arange(64), np.ones((5, 64), np.float32),
-                                               np.float32(1e-6), lanes[0], lanes[1], 1, vector, vector, 1, vector[:4].copy(), kv_rows,
-                                               kv_rows.copy(), 0, lanes[2], lanes[3], lanes[4], 2, np.float32(0.7), 0.9,
-                                               np.full(2, 0.5), np.zeros(2, np.int64), q, np.zeros((2, 64), np.int64), np.zeros(2, np.int64))]
+    head = compiled.tiny_mtp_head()
+    rows, ids = head[-1], np.zeros((2, 64), np.int64)
+    return steps + [lambda: mtp_sampled_drafts(np.ones((1, 64), np.float32), rows, rows, np.arange(64), *head, 2, np.float32(0.7), 0.9,
+                                               np.full(2, 0.5), np.zeros(2, np.int64), np.zeros((2, 64), np.float32), ids,
+                                               np.zeros(2, np.int64))]
 
 
 def warm_up() -> None:

@@ -77,6 +77,12 @@ class MTPPlan:
     draft_rows: np.ndarray | None
     draft_ids: np.ndarray | None
 
+    def head_args(self, start: int, cache: KVCache) -> tuple:
+        """The MTP kernels' shared arguments (compiled.mtp_rows' from norms to down) for passes from
+        position `start` whose keys and values go to `cache` from its length on."""
+        return (self.norms, self.eps, self.fc, self.qkv_proj, self.heads, self.q_norm, self.k_norm, start, self.inv_freq,
+                cache.keys, cache.values, cache.length, self.o_proj, self.gate_up, self.down)
+
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x * rsqrt(mean(x^2) + eps) * weight over the last axis. Zero-centred norms pass 1 + w.
@@ -438,9 +444,7 @@ class CpuOps:
         cache.reserve(past + T)
         out = np.empty((T - first, hidden.shape[1]), np.float32)
         compiled.mtp_rows(np.ascontiguousarray(model.embed[ids], np.float32), np.ascontiguousarray(hidden, np.float32),
-                          plan.norms, plan.eps, plan.fc, plan.qkv_proj, plan.heads, plan.q_norm, plan.k_norm,
-                          self.mtp_position(state, T), plan.inv_freq, cache.keys, cache.values, past, plan.o_proj,
-                          plan.gate_up, plan.down, first, out)
+                          *plan.head_args(self.mtp_position(state, T), cache), first, out)
         cache.length = past + T  # the kernel wrote rows past.., as append would have
         state.advance(T)
         return out
@@ -451,11 +455,9 @@ class CpuOps:
         would; None where those calls serve: no drafting form in the plan, or a pass mtp_rows declines."""
         if not self._drafts_fit(plan, state, k):
             return None
-        past, drafts = state.layers[0].length, np.empty(k, np.int64)
+        drafts = np.empty(k, np.int64)
         compiled.mtp_greedy_drafts(np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids,
-                                   plan.norms, plan.eps, plan.fc, plan.qkv_proj, plan.heads, plan.q_norm, plan.k_norm,
-                                   self.mtp_position(state, 1), plan.inv_freq, state.layers[0].keys, state.layers[0].values,
-                                   past, plan.o_proj, plan.gate_up, plan.down, drafts)
+                                   *plan.head_args(self.mtp_position(state, 1), state.layers[0]), drafts)
         self._drafted(state, k)
         return drafts.tolist()
 
@@ -468,12 +470,10 @@ class CpuOps:
         if (not self._drafts_fit(plan, state, k) or params.greedy or params.penalizes or params.min_p > 0
                 or not 0 < params.top_k < len(plan.draft_ids)):
             return None
-        past, drafts, counts = state.layers[0].length, np.empty(k, np.int64), np.empty(k, np.int64)
+        drafts, counts = np.empty(k, np.int64), np.empty(k, np.int64)
         q, q_ids = np.empty((k, len(plan.draft_ids)), np.float32), np.empty((k, len(plan.draft_ids)), np.int64)
         compiled_sampling.mtp_sampled_drafts(np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids,
-                                             plan.norms, plan.eps, plan.fc, plan.qkv_proj, plan.heads, plan.q_norm, plan.k_norm,
-                                             self.mtp_position(state, 1), plan.inv_freq, state.layers[0].keys,
-                                             state.layers[0].values, past, plan.o_proj, plan.gate_up, plan.down, int(params.top_k),
+                                             *plan.head_args(self.mtp_position(state, 1), state.layers[0]), int(params.top_k),
                                              np.float32(params.temperature), float(params.top_p), uniforms(k), drafts, q, q_ids, counts)
         self._drafted(state, k)
         return drafts.tolist(), [q[i, :n] for i, n in enumerate(counts)], [q_ids[i, :n] for i, n in enumerate(counts)]
