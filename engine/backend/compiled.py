@@ -752,8 +752,7 @@ if _numba:
                 H, dk, dv = cgutils.unpack_tuple(builder, S_.shape, 3)
 
                 def splat(value):
-                    one = builder.insert_element(ir.Constant(floats, None), value, ir.Constant(ir.IntType(32), 0))
-                    return builder.shuffle_vector(one, ir.Constant(floats, None), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+                    return _splat(builder, value)
 
                 def vector_at(pointer, at):
                     return builder.bitcast(builder.gep(pointer, [at]), floats.as_pointer())
@@ -1735,6 +1734,20 @@ def mtp_rows(embedded, hidden, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, 
 
 
 @kernel_jit()
+def mtp_draft_pass(token, embed, h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq, keys, values, past,
+                   o_proj, gate_up, down):
+    """A drafting kernel's next MTP output: h [1, H] becomes mtp_rows' pass over draft `token` (its row of
+    the tied table's lanes `embed`) and h, at `start`, its key and value cached at row `past`."""
+    table_row, out = np.empty(h.shape, np.uint32), np.empty(h.shape, np.float32)  # the draft's table row as fp32 bits
+    block, lane = token // 32, token % 32
+    for d in range(h.shape[1]):
+        table_row[0, d] = np.uint32(embed[block, d, lane]) << np.uint32(16)  # bf16 is the top half of an fp32
+    mtp_rows(table_row.view(np.float32), h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq,
+             keys, values, past, o_proj, gate_up, down, np.int64(0), out)
+    h[:] = out
+
+
+@kernel_jit()
 def mtp_greedy_drafts(hidden, embed, draft_rows, draft_ids, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq,
                       keys, values, past, o_proj, gate_up, down, drafts):
     """A drafter's greedy MTP drafts in one call: drafts[i] is the draft head's argmax over its rows
@@ -1743,9 +1756,7 @@ def mtp_greedy_drafts(hidden, embed, draft_rows, draft_ids, norms, eps, fc, qkv_
     over that draft (its row of the tied table's lanes `embed`) at the next position, its keys and
     values cached at rows past, past + 1, ... Per draft this is what Model.draft_greedy_ids and
     Model.mtp_forward compute, with the same kernels, so the same ids."""
-    H = hidden.shape[1]
-    h, out = hidden.copy(), np.empty((1, H), np.float32)
-    table_row = np.empty((1, H), np.uint32)  # a draft's table row as fp32 bits
+    h = hidden.copy()
     for i in range(drafts.shape[0]):
         scores = _lanes_product(draft_rows, h)[0]
         best, top = 0, scores[0]
@@ -1758,12 +1769,8 @@ def mtp_greedy_drafts(hidden, embed, draft_rows, draft_ids, norms, eps, fc, qkv_
                     best, top = j, scores[j]
         drafts[i] = draft_ids[best]
         if i + 1 < drafts.shape[0]:
-            block, lane = drafts[i] // 32, drafts[i] % 32
-            for d in range(H):
-                table_row[0, d] = np.uint32(embed[block, d, lane]) << np.uint32(16)  # bf16 is the top half of an fp32
-            mtp_rows(table_row.view(np.float32), h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start + i, inv_freq,
-                     keys, values, past + i, o_proj, gate_up, down, np.int64(0), out)
-            h[:] = out
+            mtp_draft_pass(drafts[i], embed, h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start + i, inv_freq,
+                           keys, values, past + i, o_proj, gate_up, down)
 
 
 # ---------------------------------------------------------------------------------------------

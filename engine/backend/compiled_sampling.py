@@ -278,9 +278,7 @@ def mtp_sampled_drafts(hidden, embed, draft_rows, draft_ids, norms, eps, fc, qkv
     softmax q (softmax_rows) and the draw at uniforms[i] (_draw_index): the steps and bits of
     Model.draft_candidates and speculative._draw_draft without penalties or min-p. Draft i's q and
     its ids fill q[i, :counts[i]] and q_ids[i, :counts[i]]."""
-    H = hidden.shape[1]
-    h, out = hidden.copy(), np.empty((1, H), np.float32)
-    table_row = np.empty((1, H), np.uint32)  # a draft's table row as fp32 bits
+    h = hidden.copy()
     for i in range(drafts.shape[0]):
         kept, columns = _top_k_columns(compiled._lanes_product(draft_rows, h), top_k, temperature)
         warped = _warp_rows(kept, temperature, top_k, top_p)
@@ -293,12 +291,8 @@ def mtp_sampled_drafts(hidden, embed, draft_rows, draft_ids, norms, eps, fc, qkv
             q_ids[i, c] = draft_ids[columns[c]]
         drafts[i] = q_ids[i, _draw_index(probs[0], uniforms[i])]
         if i + 1 < drafts.shape[0]:
-            block, lane = drafts[i] // 32, drafts[i] % 32
-            for d in range(H):
-                table_row[0, d] = np.uint32(embed[block, d, lane]) << np.uint32(16)  # bf16 is the top half of an fp32
-            compiled.mtp_rows(table_row.view(np.float32), h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start + i,
-                              inv_freq, keys, values, past + i, o_proj, gate_up, down, np.int64(0), out)
-            h[:] = out
+            compiled.mtp_draft_pass(drafts[i], embed, h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start + i, inv_freq,
+                                    keys, values, past + i, o_proj, gate_up, down)
 
 
 def mtp_drafting_steps() -> list:

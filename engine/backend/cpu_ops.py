@@ -419,16 +419,14 @@ class CpuOps:
         c = mixer.config
         f32 = functools.partial(np.ascontiguousarray, dtype=np.float32)
         norms = f32(np.stack([head.norm_embedding, head.norm_hidden, layer.input_norm, layer.post_norm, head.norm]))
-        if isinstance(model.draft_head, ShortlistHead):
-            draft_head, draft_ids = model.draft_head.linear, model.draft_head.ids
-        else:
-            draft_head, draft_ids = model.lm_head, np.arange(getattr(model.lm_head, "rows", 0))
-        greedy = _in_lanes(model.embed) and _in_lanes(draft_head)
+        shortlist = model.draft_head if isinstance(model.draft_head, ShortlistHead) else None
+        draft_head = model.lm_head if shortlist is None else shortlist.linear
+        drafting = _in_lanes(model.embed) and _in_lanes(draft_head)
+        draft_ids = (np.arange(draft_head.rows) if shortlist is None else shortlist.ids).astype(np.int64) if drafting else None
         return MTPPlan(norms, *(linear.lanes for linear in linears), f32(mixer.q_norm), f32(mixer.k_norm),
                        rope_frequencies(c.rotary_dim, c.rope_theta), c.num_attention_heads, np.float32(c.rms_norm_eps),
                        sum(linear.rows * linear.shape[1] for linear in linears),
-                       model.embed.lanes if greedy else None, draft_head.lanes if greedy else None,
-                       np.ascontiguousarray(draft_ids, np.int64) if greedy else None)
+                       model.embed.lanes if drafting else None, draft_head.lanes if drafting else None, draft_ids)
 
     def mtp_rows(self, plan: MTPPlan, model, state: SequenceState, ids: np.ndarray, hidden: np.ndarray,
                  last_only: bool) -> np.ndarray | None:
