@@ -1120,11 +1120,19 @@ def _dense_bf16(bits, x, out, lo, hi):
     _dense_groups(bits, x, out, lo, hi)
 
 
+def token_rows(x: np.ndarray, K: int) -> np.ndarray:
+    """x as the kernels read it: fp32, C-contiguous [T, K]. Any other width is refused here: a kernel
+    trusts its K inputs a row and would read past the weights' end."""
+    if x.ndim != 2 or x.shape[1] != K:
+        raise ValueError(f"token rows of shape {x.shape} for a matrix of {K} inputs")
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
 def _dense_rows(kernel, weight: np.ndarray, x: np.ndarray) -> np.ndarray:
     """Up to MAX_ROWS token rows through a dense kernel: one weight read for all rows, each row's bits
     as when alone, the weight's row groups split between the cores when the product pays for it."""
     N, K = weight.shape
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    x = token_rows(x, K)
     out = np.empty((x.shape[0], N), np.float32)
     split_kernel(kernel, (weight, x, out), -(-N // DENSE_GROUP), split=N * K >= SPLIT_MIN_WEIGHTS)
     return out
@@ -2208,6 +2216,7 @@ class TiledLinear(PlanesLinear):
         """out [T, N], MAX_ROWS token rows at a time, each tile's row groups split between the
         cores when the product is large enough to pay for it."""
         N, K = self.shape
+        x = token_rows(x, K)
         out = np.empty((x.shape[0], N), np.float32)
         groups = self.planes.codes.shape[0]
         for t0 in range(0, x.shape[0], MAX_ROWS):
@@ -2263,7 +2272,7 @@ class W4A8Linear(PlanesLinear):
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         out = np.empty((x.shape[0], self.planes.rows), np.float32)
-        kernel, args = self.launch(self.prepare(np.ascontiguousarray(x, dtype=np.float32)), out)
+        kernel, args = self.launch(self.prepare(token_rows(x, self.planes.shape[1])), out)
         N, K = self.planes.shape
         split_kernel(kernel, args, self.planes.codes.shape[0], split=N * K >= SPLIT_MIN_WEIGHTS)
         return out
@@ -2374,7 +2383,7 @@ class W4A16Lanes(cpu.Linear):
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         N, K = self.shape
-        x = round_to_bf16(np.ascontiguousarray(x, dtype=np.float32))
+        x = round_to_bf16(token_rows(x, K))
         blocks = self.nibbles.shape[0]
         out = np.empty((x.shape[0], blocks * 32), np.float32)
         split_kernel(_w4a16_lanes, (self.nibbles, self.scales, x, out), blocks, split=N * K * x.shape[0] >= SPLIT_MIN_PRODUCTS)
@@ -2463,7 +2472,7 @@ class BF16Linear(cpu.Linear):
         return bf16_to_f32(self.lanes[ids // 32, :, ids % 32])
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        x = token_rows(x, self.shape[1])
         if self.lanes is not None:
             blocks, K, _ = self.lanes.shape
             out = np.empty((x.shape[0], blocks * 32), np.float32)

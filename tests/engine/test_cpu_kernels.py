@@ -363,7 +363,7 @@ def test_one_unit_equals_numpy_bit_for_bit():
             assert np.array_equal(compiled.make_linear(weight, "w4a8")(x), cpu.W4A8Linear(weight)(x))
 
 
-@pytest.mark.parametrize("make", [
+ONE_OF_EACH_KIND = [  # (weight, route) for compiled.make_linear: every Linear kind the kernels run
     lambda: (random_blocks(Q.Q4_0, 64, 1024, 7), "w4a8"),
     lambda: (random_blocks(Q.Q8_0, 64, 1024, 8), "w4a8"),
     lambda: (random_blocks(Q.Q4_K, 64, 1024, 9), "w4a8"),
@@ -373,7 +373,11 @@ def test_one_unit_equals_numpy_bit_for_bit():
     lambda: (random_trellis(64, 1024, 3, 13), "w4a8"),
     lambda: (np.random.default_rng(14).standard_normal((64, 1000)).astype(np.float32), "bf16"),
     lambda: (random_bf16(66, 1000, 15), "bf16"),
-], ids=["q4_0", "q8_0", "q4_k", "q6_k", "w4a16", "w4a8", "trellis", "dense", "bf16 bits"])
+]
+KIND_IDS = ["q4_0", "q8_0", "q4_k", "q6_k", "w4a16", "w4a8", "trellis", "dense", "bf16 bits"]
+
+
+@pytest.mark.parametrize("make", ONE_OF_EACH_KIND, ids=KIND_IDS)
 def test_a_token_row_has_the_same_bits_alone_and_among_others(make):
     weight, route = make()
     linear = compiled.make_linear(weight, route)
@@ -382,6 +386,19 @@ def test_a_token_row_has_the_same_bits_alone_and_among_others(make):
     for rows in range(2, 17):
         assert np.array_equal(linear(x[:rows]), alone[:rows]), f"{rows} rows"
     assert np.array_equal(linear(x[::-1])[::-1], alone)  # a row's place among the others does not matter
+
+
+@pytest.mark.parametrize("make", ONE_OF_EACH_KIND, ids=KIND_IDS)
+def test_token_rows_of_another_width_are_refused_not_read_past(make):
+    """The kernels trust a row's K inputs: rows 32 inputs short or long raise ValueError before any
+    kernel runs (a decode's rows and a prefill's), where they once read past the weights' end."""
+    weight, route = make()
+    linear = compiled.make_linear(weight, route)
+    K = linear.shape[1]
+    for width in (K - 32, K + 32):
+        for rows in (2, 40):
+            with pytest.raises(ValueError):
+                linear(activations(rows, width, seed=rows))
 
 
 def test_prefill_tiles_give_each_row_its_decode_bits():

@@ -119,9 +119,10 @@ def test_compiled_rows_follow_the_recurrence_and_give_a_row_its_bits_alone(d):
 
 def test_the_fused_deltanet_step_matches_numpys_and_gives_a_row_its_bits_alone(tmp_path):
     """compiled.deltanet_heads (a decode or verify pass's per-head steps in one kernel) against the numpy
-    steps it replaces (CpuOps without compiled steps), on a transformers-initialised layer and inputs the size
-    of its in_proj output: within fp32 rounding of a few dk- and dv-term sums (1e-5 relative to the
-    largest output); the state and output of a row are the same bits alone as among four rows."""
+    steps it replaces (CpuOps without compiled steps), on a transformers-initialised layer and normed
+    inputs the width of the hidden state (CpuOps.deltanet applies in_proj itself): within fp32 rounding
+    of a few dk- and dv-term sums (1e-5 relative to the largest output); the state and output of a row
+    are the same bits alone as among four rows."""
     from conftest import build_reference, save_reference
     from duet.engine import load_model
     from duet.engine.backend.cpu_ops import CpuOps
@@ -131,13 +132,13 @@ def test_the_fused_deltanet_step_matches_numpys_and_gives_a_row_its_bits_alone(t
     layer = next(l.mixer for l in load_model(tmp_path, tokenizer=False).model.layers if isinstance(l.mixer, DeltaNet))
     c = layer.config
     rng = np.random.default_rng(7)
-    projected = rng.standard_normal((4, layer.in_proj.shape[0])).astype(np.float32)
+    x = rng.standard_normal((4, layer.in_proj.shape[1])).astype(np.float32)
     S0 = rng.standard_normal((c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)).astype(np.float32) * 0.1
 
     def run(rows: slice, kernels: str):
         state = layer.new_cache()
         state.recurrent = S0.copy()
-        out = CpuOps(compiled_steps=kernels == "compiled").deltanet(layer, projected[rows], state, 0)
+        out = CpuOps(compiled_steps=kernels == "compiled").deltanet(layer, x[rows], state, 0)
         return out, state
 
     fused, fused_state = run(slice(0, 4), "compiled")
