@@ -25,15 +25,17 @@ from the layouts and from sharing each weight read between the token rows:
 
 Threads: the kernels release the GIL and take a range of weight rows, so engine/backend/threads.py
 splits a product's rows between the cores; a weight row's result does not depend on the split.
-Compiled machine code is cached on disk (platformdirs cache, `numba/`), so only the first run
-compiles (about a second a kernel). Without numba the numpy Linears run, and `unavailable()` says
+Compiled machine code is cached on disk (platformdirs cache, `numba/<digest of the kernel sources>`:
+kernel_cache_dir), so only the first run after an install or upgrade compiles (about a second a kernel). Without numba the numpy Linears run, and `unavailable()` says
 why in one line.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,7 +53,28 @@ from duet.engine.quant.w4 import GROUP, W4Weight
 from duet.engine.checkpoint.safetensors import bf16_to_f32, release_file_pages
 from duet.engine.weights import BF16Matrix
 
-CACHE_DIR = Path(platformdirs.user_cache_dir("duet")) / "numba"
+
+
+def kernel_cache_dir(root: Path, sources: Sequence[Path]) -> Path:
+    """root/<digest of the sources' bytes>, made where missing, every other folder in root removed
+    then (an older version's kernels). numba checks a cached kernel against its own file alone, so a
+    kernel calling one from another file (compiled_sampling's drafting kernel runs this module's MTP
+    pass) kept that file's old code, inlined, after the file changed; one folder per version of all
+    kernel sources cannot."""
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.read_bytes())
+    folder = root / digest.hexdigest()[:16]
+    if not folder.is_dir():
+        folder.mkdir(parents=True, exist_ok=True)
+        for other in root.iterdir():
+            if other != folder:
+                shutil.rmtree(other, ignore_errors=True)
+    return folder
+
+
+KERNEL_SOURCES = [Path(__file__), Path(__file__).with_name("compiled_sampling.py")]  # every file with kernels
+CACHE_DIR = kernel_cache_dir(Path(platformdirs.user_cache_dir("duet")) / "numba", KERNEL_SOURCES)
 KERNELS_ENV = "DUET_CPU_KERNELS"  # "numpy" runs the numpy reference Linears instead
 # Products smaller than this many weights run whole on the calling thread. Handing a part to a Python
 # worker cost ~40 us (the bound was 2^20 then); a region of numba's threads starts in 2-5 us: a w4a8
@@ -87,6 +110,7 @@ def _load_numba():
         import numba
     except ImportError:
         return None
+    numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]  # where numba was imported first, it read no folder
     return numba
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -571,6 +573,32 @@ def test_the_draft_shortlist_reads_the_heads_own_planes():
             part = CpuOps().shortlist_part(head, matrix, slice(0, stop), "w4a8")
             assert np.shares_memory(part.planes.codes, head.planes.codes) is shared
             np.testing.assert_array_equal(part(x), head(x)[:, :stop])
+
+
+def test_a_kernel_calling_another_files_kernel_gets_its_new_code_after_an_upgrade(tmp_path):
+    """numba checks a cached kernel against its own source file alone: after the file a kernel calls
+    into changes, the caller's cached machine code still holds the callee's old code (as
+    compiled_sampling's drafting kernel held compiled.py's old MTP pass). kernel_cache_dir keys the
+    folder by every kernel source, so the new code is compiled, and the old folder goes."""
+    source = tmp_path / "src"
+    source.mkdir()
+    inner, outer = source / "inner_kernels.py", source / "outer_kernels.py"
+    inner.write_text("import numba\n\n@numba.njit(cache=True)\ndef value():\n    return 1\n")
+    outer.write_text("import numba\nfrom inner_kernels import value\n\n@numba.njit(cache=True)\ndef twice():\n    return 2 * value()\n")
+
+    def twice(cache: Path) -> str:
+        env = {**os.environ, "PYTHONPATH": str(source), "NUMBA_CACHE_DIR": str(cache)}
+        return subprocess.run([sys.executable, "-c", "from outer_kernels import twice; print(twice())"], env=env,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    root = tmp_path / "cache"
+    first = compiled.kernel_cache_dir(root, [inner, outer])
+    assert twice(first) == "2" and compiled.kernel_cache_dir(root, [inner, outer]) == first
+    inner.write_text(inner.read_text().replace("return 1", "return 5"))
+    assert twice(first) == "2"  # one folder for every version: the caller keeps the callee's old code
+    second = compiled.kernel_cache_dir(root, [inner, outer])
+    assert second != first and list(root.iterdir()) == [second]
+    assert twice(second) == "10"
 
 
 def test_compile_kernels_reports_each_and_covers_what_models_pass():
