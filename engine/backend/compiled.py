@@ -36,6 +36,7 @@ import copy
 import hashlib
 import os
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -55,25 +56,37 @@ from duet.engine.weights import BF16Matrix
 
 
 
+STALE_CACHE_SECONDS = 86400  # another version's kernel folder untouched this long is removed
+
+
 def kernel_cache_dir(root: Path, sources: Sequence[Path]) -> Path:
-    """root/<digest of the sources' bytes>, made where missing, every other folder in root removed
-    then (an older version's kernels). numba checks a cached kernel against its own file alone, so a
-    kernel calling one from another file (compiled_sampling's drafting kernel runs this module's MTP
-    pass) kept that file's old code, inlined, after the file changed; one folder per version of all
-    kernel sources cannot."""
+    """root/<digest of the sources' bytes>, made where missing; then the other folders in root (other
+    versions' kernels) that nothing has written to for STALE_CACHE_SECONDS are removed: not at once,
+    as a duet of another version may be running from one. numba checks a cached kernel against its
+    own file alone, so a kernel calling one from another file (compiled_sampling's drafting kernel
+    runs this module's MTP pass) kept that file's old code, inlined, after the file changed; one
+    folder per version of all kernel sources cannot."""
     digest = hashlib.sha256()
     for source in sources:
         digest.update(source.read_bytes())
     folder = root / digest.hexdigest()[:16]
     if not folder.is_dir():
         folder.mkdir(parents=True, exist_ok=True)
+        now = time.time()
         for other in root.iterdir():
-            if other != folder:
+            try:
+                stale = other != folder and now - other.stat().st_mtime > STALE_CACHE_SECONDS
+            except OSError:  # removed meanwhile by another process
+                continue
+            if stale:
                 shutil.rmtree(other, ignore_errors=True)
     return folder
 
 
-KERNEL_SOURCES = [Path(__file__), Path(__file__).with_name("compiled_sampling.py")]  # every file with kernels
+_ENGINE = Path(__file__).parents[1]
+# Every file with kernels, and those whose constants the kernels take in as they compile (ACT_BLOCK, GROUP)
+KERNEL_SOURCES = [_ENGINE / "backend" / name for name in ("compiled.py", "compiled_sampling.py")] + [
+    _ENGINE / "quant" / name for name in ("activation.py", "w4.py")]
 CACHE_DIR = kernel_cache_dir(Path(platformdirs.user_cache_dir("duet")) / "numba", KERNEL_SOURCES)
 KERNELS_ENV = "DUET_CPU_KERNELS"  # "numpy" runs the numpy reference Linears instead
 # Products smaller than this many weights run whole on the calling thread. Handing a part to a Python
