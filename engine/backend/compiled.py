@@ -71,7 +71,10 @@ def kernel_cache_dir(root: Path, sources: Sequence[Path]) -> Path:
         digest.update(source.read_bytes())
     folder = root / digest.hexdigest()[:16]
     if not folder.is_dir():
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:  # no cache folder can be made there: numba finds another place, or compiles every run
+            return folder
         now = time.time()
         for other in root.iterdir():
             try:

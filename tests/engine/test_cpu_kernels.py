@@ -606,6 +606,8 @@ def test_a_kernel_calling_another_files_kernel_gets_its_new_code_after_an_upgrad
     inner.write_text(inner.read_text().replace("return 5", "return 7"))
     third = compiled.kernel_cache_dir(root, [inner, outer])
     assert sorted(root.iterdir()) == sorted([second, third]) and twice(third) == "14"
+    (tmp_path / "a file").write_text("")  # a cache root no folder can be made under: the path, no error
+    assert compiled.kernel_cache_dir(tmp_path / "a file" / "numba", [inner]).parent == tmp_path / "a file" / "numba"
 
 
 def test_compile_kernels_reports_each_and_covers_what_models_pass():
