@@ -26,8 +26,8 @@ from the layouts and from sharing each weight read between the token rows:
 Threads: the kernels release the GIL and take a range of weight rows, so engine/backend/threads.py
 splits a product's rows between the cores; a weight row's result does not depend on the split.
 Compiled machine code is cached on disk (platformdirs cache, `numba/<digest of the kernel sources>`:
-kernel_cache_dir), so only the first run after an install or upgrade compiles (about a second a kernel). Without numba the numpy Linears run, and `unavailable()` says
-why in one line.
+kernel_cache_dir), so only the first run after an install or upgrade compiles (about a second a
+kernel). Without numba the numpy Linears run, and `unavailable()` says why in one line.
 """
 
 from __future__ import annotations
@@ -53,8 +53,6 @@ from duet.engine.quant.trellis import TrellisWeight, rotated_int8_activations
 from duet.engine.quant.w4 import GROUP, W4Weight
 from duet.engine.checkpoint.safetensors import bf16_to_f32, release_file_pages
 from duet.engine.weights import BF16Matrix
-
-
 
 STALE_CACHE_SECONDS = 86400  # another version's kernel folder untouched this long is removed
 
@@ -2312,7 +2310,7 @@ class W4A8Linear(PlanesLinear):
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         out = np.empty((x.shape[0], self.planes.rows), np.float32)
-        kernel, args = self.launch(self.prepare(token_rows(x, self.planes.shape[1])), out)
+        kernel, args = self.launch(self.prepare(token_rows(x, self.shape[1])), out)
         N, K = self.planes.shape
         split_kernel(kernel, args, self.planes.codes.shape[0], split=N * K >= SPLIT_MIN_WEIGHTS)
         return out
