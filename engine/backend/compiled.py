@@ -789,9 +789,6 @@ if _numba:
                 c0 = args[10]
                 H, dk, dv = cgutils.unpack_tuple(builder, S_.shape, 3)
 
-                def splat(value):
-                    return _splat(builder, value)
-
                 def vector_at(pointer, at):
                     return builder.bitcast(builder.gep(pointer, [at]), floats.as_pointer())
 
@@ -802,15 +799,15 @@ if _numba:
                     t = row.index
                     source = builder.select(builder.icmp_signed("==", t, const(0)), S_.data, L_.data)
                     at_th = builder.add(builder.mul(t, H), h)  # [t, h]
-                    e_g = splat(builder.load(builder.gep(D_.data, [at_th])))
-                    b = splat(builder.load(builder.gep(B_.data, [at_th])))
+                    e_g = _splat(builder, builder.load(builder.gep(D_.data, [at_th])))
+                    b = _splat(builder, builder.load(builder.gep(B_.data, [at_th])))
                     keys = builder.mul(at_th, dk)
                     values = builder.add(builder.mul(at_th, dv), c0)
                     for acc in u + o:
                         builder.store(ir.Constant(floats, None), acc)
                     with cgutils.for_range(builder, dk) as i_loop:  # u = S'^T k, S' = e^g S
                         i = i_loop.index
-                        k_i = splat(builder.load(builder.gep(K_.data, [builder.add(keys, i)])))
+                        k_i = _splat(builder, builder.load(builder.gep(K_.data, [builder.add(keys, i)])))
                         state_row = builder.add(builder.add(head, builder.mul(i, dv)), c0)
                         for c in range(vectors):
                             s = builder.load(vector_at(source, builder.add(state_row, const(16 * c))), align=4)
@@ -820,8 +817,8 @@ if _numba:
                         builder.store(builder.fmul(builder.fsub(v_c, builder.load(u[c])), b), u[c])
                     with cgutils.for_range(builder, dk) as i_loop:  # S' += k u^T; o = S'^T q
                         i = i_loop.index
-                        k_i = splat(builder.load(builder.gep(K_.data, [builder.add(keys, i)])))
-                        q_i = splat(builder.load(builder.gep(Q_.data, [builder.add(keys, i)])))
+                        k_i = _splat(builder, builder.load(builder.gep(K_.data, [builder.add(keys, i)])))
+                        q_i = _splat(builder, builder.load(builder.gep(Q_.data, [builder.add(keys, i)])))
                         state_row = builder.add(builder.add(head, builder.mul(i, dv)), c0)
                         for c in range(vectors):
                             s = builder.load(vector_at(source, builder.add(state_row, const(16 * c))), align=4)

@@ -436,8 +436,7 @@ class CpuOps:
         between the cores (MTP_ROWS_MAX_PRODUCTS, ATTEND_SPLIT_MIN)."""
         T, cache = len(ids), state.layers[0]
         first, past = (T - 1 if last_only else 0), cache.length
-        if (T > MAX_ROWS or type(cache) is not KVCache or T * plan.products >= MTP_ROWS_MAX_PRODUCTS
-                or (T - first) * plan.heads * (past + T) * cache.keys.shape[2] >= ATTEND_SPLIT_MIN):
+        if not self._fits_one_call(plan, cache, T, T - first, past + T):
             return None
         cache.reserve(past + T)
         out = np.empty((T - first, hidden.shape[1]), np.float32)
@@ -477,12 +476,18 @@ class CpuOps:
         return drafts.tolist(), [q[i, :n] for i, n in enumerate(counts)], [q_ids[i, :n] for i, n in enumerate(counts)]
 
     @staticmethod
-    def _drafts_fit(plan: MTPPlan, state: SequenceState, k: int) -> bool:
-        """Whether k drafts can run in one call: the plan has a drafting form, the cache is the fp32
-        KVCache, and no pass would be one mtp_rows declines; if so, the cache has room for them."""
+    def _fits_one_call(plan: MTPPlan, cache, rows: int, attending: int, end: int) -> bool:
+        """Whether an MTP pass of `rows` rows, `attending` of them reading keys [0, end), runs in one
+        compiled call: no more than MAX_ROWS rows, the fp32 KVCache, products and attention the op set
+        would not split between the cores (MTP_ROWS_MAX_PRODUCTS, ATTEND_SPLIT_MIN)."""
+        return (rows <= MAX_ROWS and type(cache) is KVCache and rows * plan.products < MTP_ROWS_MAX_PRODUCTS
+                and attending * plan.heads * end * cache.keys.shape[2] < ATTEND_SPLIT_MIN)
+
+    def _drafts_fit(self, plan: MTPPlan, state: SequenceState, k: int) -> bool:
+        """Whether k drafts can run in one call: the plan has a drafting form and each one-row pass fits
+        one call (_fits_one_call); if so, the cache has room for them."""
         cache = state.layers[0]
-        if (plan.draft_rows is None or type(cache) is not KVCache or plan.products >= MTP_ROWS_MAX_PRODUCTS
-                or plan.heads * (cache.length + k) * cache.keys.shape[2] >= ATTEND_SPLIT_MIN):
+        if plan.draft_rows is None or not self._fits_one_call(plan, cache, 1, 1, cache.length + k):
             return False
         cache.reserve(cache.length + k)
         return True
