@@ -341,6 +341,39 @@ if _numba:
 
         return _numba.types.float32(bits), codegen
 
+    def _tally_at(context, builder, signature, args):
+        """The address of tally[index] (an int64 array's element) in compiled code."""
+        from numba.core import cgutils
+
+        tally = context.make_array(signature.args[0])(context, builder, args[0])
+        return cgutils.get_item_pointer(context, builder, signature.args[0], tally, [args[1]], wraparound=False)
+
+    @intrinsic
+    def tally_add(typingctx, tally, index):
+        """In compiled code: tally[index] += 1 as one atomic step (sequentially consistent), giving the
+        count before it: threads that add at once each get a count of their own (a team's claims)."""
+        if not isinstance(tally, _numba.types.Array) or tally.dtype != _numba.types.int64:
+            return None
+
+        def codegen(context, builder, signature, args):
+            one = llvmlite.ir.Constant(llvmlite.ir.IntType(64), 1)
+            return builder.atomic_rmw("add", _tally_at(context, builder, signature, args), one, "seq_cst")
+
+        return _numba.types.int64(tally, _numba.types.intp), codegen
+
+    @intrinsic
+    def tally_read(typingctx, tally, index):
+        """In compiled code: tally[index], read as an atomic acquire: whatever a thread wrote before its
+        tally_add is seen by the thread that reads the count it made. LLVM keeps every such read in a
+        loop (a plain read it would read once)."""
+        if not isinstance(tally, _numba.types.Array) or tally.dtype != _numba.types.int64:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.load_atomic(_tally_at(context, builder, signature, args), "acquire", 8)
+
+        return _numba.types.int64(tally, _numba.types.intp), codegen
+
     class _Int8Dots:
         """The int8 dot instructions of this CPU's family (int8_dot_kernels' "vnni" or "avx2"), declared
         in the module `builder` writes, on int32 vectors of QUAD_COLUMN lanes (one 4-byte group a lane)."""
@@ -1728,92 +1761,217 @@ def conv_rows(window, taps_by_lag, out):
 # op calls whose arithmetic is a few microseconds each: the demo's one-row pass took 66 us through the
 # op set, 38 this way (three rows: 76 and 50). The same kernels run in the same order on the same
 # rows, so every row gets the bits the op-by-op pass gives it.
+#
+# The cores share such a call as a team (team_kernel): member m of `members` runs kernel(*args, m,
+# members) at once with the others. Each product is cut into a chunk a member (pairs of 32-row weight
+# blocks, as its parts driver cuts it) and attention into its KV heads; a member claims a stage's chunks
+# one by one (tally_add on the stage's claim count) until none is left, then waits until all are done
+# (tally_read on its done count) before it reads the stage's output. A member that finds every chunk
+# claimed only waits for them, so no member ever waits on one that has not started, and one member
+# alone does all: the same kernel runs alone (members = 1) where one core serves, and numba may run a
+# team's members one after another. The steps between products (norms, RoPE, SwiGLU, a draft's argmax)
+# are a few hundred values: every member computes them itself, the same bits, into arrays of its own.
+# Each stage's output has its own place in the call's `shared` array, never reused within the call, so
+# a member that comes late reads what that stage wrote. Member 0 alone writes results. On the demo, two
+# cores, warm: a commit pass of 3 rows 62 -> 50 us, three greedy drafts 101 -> 75 us (a lone draft, its
+# head alone, 10.3 -> 13.5: the team's start costs more than half a 6 us product saves).
+
+TEAM_STAGES_A_PASS = 6  # fc, the qkv projection, attention, o_proj, gate_up, down
 
 
 @kernel_jit()
-def _lanes_product(lanes, x):
-    """x [T, K] through bf16 weight lanes [B, K, 32] on this thread: [T, B * 32] (_bf16_lanes)."""
-    out = np.empty((x.shape[0], lanes.shape[0] * 32), np.float32)
-    _bf16_lanes(lanes, x, out, np.int64(0), lanes.shape[0] // 2)  # int64, not a literal 0: the signature a Linear compiles
-    return out
+def _claim(tally, stage, chunks):
+    """The chunk of `stage` this member computes next, or -1 when all are claimed (tally[2 stage]
+    counts the claims, tally[2 stage + 1] the chunks done)."""
+    taken = tally_add(tally, 2 * stage)
+    return taken if taken < chunks else -1
 
 
 @kernel_jit()
-def mtp_rows(embedded, hidden, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq, keys, values,
-             past, o_proj, gate_up, down, first, out):
-    """Model.mtp_forward's pass over T rows: embedded [T, H] (the table rows of the tokens x_{t+1}),
-    hidden [T, H] (h_t); norms [5, H]: the embedding's, the hidden state's, the layer's input and
-    post-attention norms and the head's final norm; the Linears as bf16 lanes (rows a multiple of 64).
-    The layer's keys and values go to keys, values [kv, >= past + T, hd] at rows past..; row t sits at
-    position start + t. out [T - first, H]: the head's output for rows first.. (first = T - 1: the
-    last row alone, whose attention and feed-forward alone run, as LAST_ROW_ALONE lets the op set)."""
+def _finish_stage(tally, stage, chunks):
+    """Wait until every chunk of `stage` is done; the next stage."""
+    while tally_read(tally, 2 * stage + 1) < chunks:
+        pass
+    return stage + 1
+
+
+@kernel_jit()
+def _team_product(lanes, x, out, tally, stage, members):
+    """out [T, B * 32] = x [T, K] through bf16 weight lanes [B, K, 32] (_bf16_lanes), a chunk of pairs
+    of blocks a member, as `stage`; the next stage."""
+    pairs = lanes.shape[0] // 2
+    chunks = min(members, pairs)
+    chunk = _claim(tally, stage, chunks)
+    while chunk >= 0:
+        _bf16_lanes(lanes, x, out, pairs * chunk // chunks, pairs * (chunk + 1) // chunks)
+        tally_add(tally, 2 * stage + 1)
+        chunk = _claim(tally, stage, chunks)
+    return _finish_stage(tally, stage, chunks)
+
+
+@kernel_jit()
+def _stage_widths(fc, qkv_proj, o_proj, gate_up, down):
+    """The widths of an MTP pass's stage outputs: fc's, the qkv projection's, attention's (o_proj's
+    input), o_proj's, gate_up's and down's."""
+    return (fc.shape[0] * 32, qkv_proj.shape[0] * 32, o_proj.shape[1], o_proj.shape[0] * 32, gate_up.shape[0] * 32,
+            down.shape[0] * 32)
+
+
+@kernel_jit()
+def pass_floats(T, first, fc, qkv_proj, o_proj, gate_up, down):
+    """The floats of `shared` an MTP pass over T rows takes (mtp_rows): fc's and the qkv projection's
+    outputs for every row, the others for rows first.. only."""
+    widths = _stage_widths(fc, qkv_proj, o_proj, gate_up, down)
+    return T * (widths[0] + widths[1]) + (T - first) * (widths[2] + widths[3] + widths[4] + widths[5])
+
+
+@kernel_jit()
+def draft_floats(draft_rows, fc, qkv_proj, o_proj, gate_up, down):
+    """The floats of `shared` a draft takes (mtp_greedy_drafts, compiled_sampling.mtp_sampled_drafts):
+    its head's scores, then its one-row pass's outputs."""
+    return draft_rows.shape[0] * 32 + pass_floats(1, 0, fc, qkv_proj, o_proj, gate_up, down)
+
+
+def pass_scratch(T: int, first: int, fc, qkv_proj, o_proj, gate_up, down) -> tuple[np.ndarray, np.ndarray]:
+    """shared and tally (zeros) for mtp_rows over T rows from `first`, alone or as a team."""
+    floats = pass_floats(T, first, fc, qkv_proj, o_proj, gate_up, down)
+    return np.empty(floats, np.float32), np.zeros(2 * TEAM_STAGES_A_PASS, np.int64)
+
+
+def drafting_scratch(k: int, draft_rows, fc, qkv_proj, o_proj, gate_up, down) -> tuple[np.ndarray, np.ndarray]:
+    """shared and tally (zeros) for k drafts in one call (mtp_greedy_drafts, compiled_sampling.mtp_sampled_drafts):
+    a head product and a one-row pass a draft."""
+    floats = k * draft_floats(draft_rows, fc, qkv_proj, o_proj, gate_up, down)
+    return np.empty(floats, np.float32), np.zeros(2 * k * (1 + TEAM_STAGES_A_PASS), np.int64)
+
+
+@kernel_jit()
+def _rows_of(shared, at, rows, width):
+    """shared[at : at + rows * width] as rows [rows, width]."""
+    return shared[at : at + rows * width].reshape((rows, width))
+
+
+@kernel_jit()
+def _draft_places(shared, i, draft_rows, fc, qkv_proj, o_proj, gate_up, down):
+    """Draft i's places in `shared`: its head's scores [1, S], its pass's outputs."""
+    size = draft_floats(draft_rows, fc, qkv_proj, o_proj, gate_up, down)
+    scores = _rows_of(shared, i * size, 1, draft_rows.shape[0] * 32)
+    return scores, shared[i * size + draft_rows.shape[0] * 32 : (i + 1) * size]
+
+
+@kernel_jit()
+def _mtp_pass(embedded, hidden, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq, keys, values,
+              past, o_proj, gate_up, down, first, out, shared, tally, stage, members):
+    """A member's part of mtp_rows' pass from `stage` on, the stage outputs in shared (pass_floats),
+    out its own; the stage after the pass."""
     T, H = hidden.shape
     kv, hd = keys.shape[0], keys.shape[2]
+    R = T - first
+    widths = _stage_widths(fc, qkv_proj, o_proj, gate_up, down)
+    x, qkv = _rows_of(shared, 0, T, widths[0]), _rows_of(shared, T * widths[0], T, widths[1])
+    at = T * (widths[0] + widths[1])
+    attended = _rows_of(shared, at, R, widths[2])
+    projected = _rows_of(shared, at + R * widths[2], R, widths[3])
+    gate_and_up = _rows_of(shared, at + R * (widths[2] + widths[3]), R, widths[4])
+    lowered = _rows_of(shared, at + R * (widths[2] + widths[3] + widths[4]), R, widths[5])
     e, h = np.empty((T, H), np.float32), np.empty((T, H), np.float32)
     rms_norm_rows(embedded, norms[0], eps, e)
     rms_norm_rows(hidden, norms[1], eps, h)
     both = np.empty((T, 2 * H), np.float32)  # [embedding ; hidden], as fc reads them
     both[:, :H] = e
     both[:, H:] = h
-    x = _lanes_product(fc, both)
+    stage = _team_product(fc, both, x, tally, stage, members)
     normed = np.empty((T, H), np.float32)
     rms_norm_rows(x, norms[2], eps, normed)
-    qkv = _lanes_product(qkv_proj, normed)  # [T, heads * 2 hd | kv * hd | kv * hd]
-    q, k = np.empty((T - first, heads, hd), np.float32), np.empty((kv, T, hd), np.float32)
+    stage = _team_product(qkv_proj, normed, qkv, tally, stage, members)  # [T, heads * 2 hd | kv * hd | kv * hd]
+    q, k = np.empty((R, heads, hd), np.float32), np.empty((kv, T, hd), np.float32)
     qk_norm_rope_rows(qkv, first, q_norm, k_norm, eps, start, inv_freq, q, k)
     v = 2 * heads * hd + kv * hd  # the first value column
-    for j in range(kv):
+    j = _claim(tally, stage, kv)
+    while j >= 0:  # a KV head a chunk: its keys and values cached, then the query heads that read them
         for t in range(T):
             keys[j, past + t] = k[j, t]
             values[j, past + t] = qkv[t, v + j * hd : v + (j + 1) * hd]
-    attended = np.empty((T - first, heads * hd), np.float32)
-    attend_rows(q, keys, values, past + first, qkv[first:], attended, np.int64(0), kv)
-    residual, normed = np.empty((T - first, H), np.float32), np.empty((T - first, H), np.float32)
-    add_rms_norm_rows(x[first:], _lanes_product(o_proj, attended), norms[3], eps, residual, normed)
-    gate_and_up = _lanes_product(gate_up, normed)
-    gated = np.empty((T - first, gate_and_up.shape[1] // 2), np.float32)
-    swiglu_rows(gate_and_up, gated, np.int64(0), T - first)
-    add_rms_norm_rows(residual, _lanes_product(down, gated), norms[4], eps, np.empty_like(residual), out)
+        attend_rows(q, keys, values, past + first, qkv[first:], attended, j, j + 1)
+        tally_add(tally, 2 * stage + 1)
+        j = _claim(tally, stage, kv)
+    stage = _finish_stage(tally, stage, kv)
+    stage = _team_product(o_proj, attended, projected, tally, stage, members)
+    residual, normed = np.empty((R, H), np.float32), np.empty((R, H), np.float32)
+    add_rms_norm_rows(x[first:], projected, norms[3], eps, residual, normed)
+    stage = _team_product(gate_up, normed, gate_and_up, tally, stage, members)
+    gated = np.empty((R, gate_and_up.shape[1] // 2), np.float32)
+    swiglu_rows(gate_and_up, gated, np.int64(0), R)
+    stage = _team_product(down, gated, lowered, tally, stage, members)
+    add_rms_norm_rows(residual, lowered, norms[4], eps, np.empty_like(residual), out)
+    return stage
+
+
+@kernel_jit()
+def mtp_rows(embedded, hidden, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq, keys, values,
+             past, o_proj, gate_up, down, first, out, shared, tally, member, members):
+    """Model.mtp_forward's pass over T rows: embedded [T, H] (the table rows of the tokens x_{t+1}),
+    hidden [T, H] (h_t); norms [5, H]: the embedding's, the hidden state's, the layer's input and
+    post-attention norms and the head's final norm; the Linears as bf16 lanes (rows a multiple of 64).
+    The layer's keys and values go to keys, values [kv, >= past + T, hd] at rows past..; row t sits at
+    position start + t. out [T - first, H]: the head's output for rows first.. (first = T - 1: the
+    last row alone, whose attention and feed-forward alone run, as LAST_ROW_ALONE lets the op set).
+    Member `member` of a team of `members` (team_kernel): shared of pass_floats(T, first, ...) floats,
+    tally zeros [2 TEAM_STAGES_A_PASS]."""
+    _mtp_pass(embedded, hidden, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq, keys, values, past,
+              o_proj, gate_up, down, first, out if member == 0 else np.empty_like(out), shared, tally, 0, members)
 
 
 @kernel_jit()
 def mtp_draft_pass(token, embed, h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq, keys, values, past,
-                   o_proj, gate_up, down):
-    """A drafting kernel's next MTP output: h [1, H] becomes mtp_rows' pass over draft `token` (its row of
-    the tied table's lanes `embed`) and h, at `start`, its key and value cached at row `past`."""
+                   o_proj, gate_up, down, shared, tally, stage, members):
+    """A drafting member's next MTP output: h [1, H] becomes mtp_rows' pass over draft `token` (its row of
+    the tied table's lanes `embed`) and h, at `start`, its key and value cached at row `past`, its stage
+    outputs in shared from `stage` on; the stage after it."""
     table_row, out = np.empty(h.shape, np.uint32), np.empty(h.shape, np.float32)  # the draft's table row as fp32 bits
     block, lane = token // 32, token % 32
     for d in range(h.shape[1]):
         table_row[0, d] = np.uint32(embed[block, d, lane]) << np.uint32(16)  # bf16 is the top half of an fp32
-    mtp_rows(table_row.view(np.float32), h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq,
-             keys, values, past, o_proj, gate_up, down, np.int64(0), out)
+    stage = _mtp_pass(table_row.view(np.float32), h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq,
+                      keys, values, past, o_proj, gate_up, down, np.int64(0), out, shared, tally, stage, members)
     h[:] = out
+    return stage
+
+
+@kernel_jit()
+def draft_scores(draft_rows, h, shared, i, fc, qkv_proj, o_proj, gate_up, down, tally, stage, members):
+    """Draft i's head scores [1, S] over the draft rows (bf16 lanes) from h [1, H], computed by the team
+    into their place in shared; (the scores, draft i's pass's place, the next stage)."""
+    scores, place = _draft_places(shared, i, draft_rows, fc, qkv_proj, o_proj, gate_up, down)
+    return scores, place, _team_product(draft_rows, h, scores, tally, stage, members)
 
 
 @kernel_jit()
 def mtp_greedy_drafts(hidden, embed, draft_rows, draft_ids, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq,
-                      keys, values, past, o_proj, gate_up, down, drafts):
+                      keys, values, past, o_proj, gate_up, down, drafts, shared, tally, member, members):
     """A drafter's greedy MTP drafts in one call: drafts[i] is the draft head's argmax over its rows
     (draft_rows: bf16 lanes of the ids draft_ids; the first of equal maxima, or the first NaN, as
     np.argmax) on the MTP output h, first hidden [1, H]; while more are asked, h becomes mtp_rows' pass
     over that draft (its row of the tied table's lanes `embed`) at the next position, its keys and
     values cached at rows past, past + 1, ... Per draft this is what Model.draft_greedy_ids and
-    Model.mtp_forward compute, with the same kernels, so the same ids."""
-    h = hidden.copy()
+    Model.mtp_forward compute, with the same kernels, so the same ids. Member `member` of a team of
+    `members` (team_kernel): shared of k draft_floats(...), tally zeros [2 k (1 + TEAM_STAGES_A_PASS)]."""
+    h, stage = hidden.copy(), 0
     for i in range(drafts.shape[0]):
-        scores = _lanes_product(draft_rows, h)[0]
-        best, top = 0, scores[0]
+        scores, place, stage = draft_scores(draft_rows, h, shared, i, fc, qkv_proj, o_proj, gate_up, down, tally, stage, members)
+        best, top = 0, scores[0, 0]
         if top == top:
             for j in range(1, draft_ids.shape[0]):
-                if scores[j] != scores[j]:
+                if scores[0, j] != scores[0, j]:
                     best = j
                     break
-                if scores[j] > top:
-                    best, top = j, scores[j]
-        drafts[i] = draft_ids[best]
+                if scores[0, j] > top:
+                    best, top = j, scores[0, j]
+        if member == 0:
+            drafts[i] = draft_ids[best]
         if i + 1 < drafts.shape[0]:
-            mtp_draft_pass(drafts[i], embed, h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start + i, inv_freq,
-                           keys, values, past + i, o_proj, gate_up, down)
+            stage = mtp_draft_pass(draft_ids[best], embed, h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start + i,
+                                   inv_freq, keys, values, past + i, o_proj, gate_up, down, place, tally, stage, members)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1920,6 +2078,19 @@ _PARTS_DRIVERS = {_w4a8_bytes: _w4a8_bytes_parts, _w4a8_byte_quads: _w4a8_byte_q
                   _bf16_lanes: _bf16_lanes_parts, _w4a16_lanes: _w4a16_lanes_parts, deltanet_heads: _deltanet_heads_parts, _int8_units: _int8_units_parts,
                   swiglu_rows: _swiglu_rows_parts, attend_rows: _attend_rows_parts,
                   attend_q4_rows: _attend_q4_rows_parts}
+
+
+# Team drivers (threads.in_team): the members of a team kernel (the MTP section) on numba's threads at once.
+@_parallel_jit
+def mtp_rows_team(args, members):
+    for member in _prange(members):
+        mtp_rows(*args, np.int64(member), members)  # prange's index is unsigned: one signature, not two
+
+
+@_parallel_jit
+def mtp_greedy_drafts_team(args, members):
+    for member in _prange(members):
+        mtp_greedy_drafts(*args, np.int64(member), members)  # prange's index is unsigned: one signature, not two
 
 
 @dataclass(frozen=True)
@@ -2616,8 +2787,11 @@ def mtp_kernel_steps() -> list[Callable[[], None]]:
         return []
     head, x = tiny_mtp_head(), np.ones((1, 64), np.float32)
     rows = head[-1]
-    return [lambda: mtp_rows(x, x.copy(), *head, 0, np.zeros((1, 64), np.float32)),
-            lambda: mtp_greedy_drafts(x, rows, rows, np.arange(64), *head, np.zeros(2, np.int64))]
+    linears = head[2], head[3], head[12], head[13], head[14]  # fc, qkv_proj, o_proj, gate_up, down
+    rows_args = lambda: (x, x.copy(), *head, 0, np.zeros((1, 64), np.float32), *pass_scratch(1, 0, *linears))
+    drafts_args = lambda: (x, rows, rows, np.arange(64), *head, np.zeros(2, np.int64), *drafting_scratch(2, rows, *linears))
+    return [lambda: mtp_rows(*rows_args(), 0, 1), lambda: mtp_rows_team(rows_args(), 2),
+            lambda: mtp_greedy_drafts(*drafts_args(), 0, 1), lambda: mtp_greedy_drafts_team(drafts_args(), 2)]
 
 
 def make_linear(weight, route: str):

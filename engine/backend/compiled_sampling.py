@@ -22,6 +22,7 @@ import numpy as np
 from duet.engine.backend import compiled
 
 jit = compiled.kernel_jit()
+_prange = compiled._prange  # a global of numba.prange's own value: numba sees a parallel loop only so
 
 # numpy sums a contiguous float row in blocks of this many, eight accumulators each (pairwise.c).
 PAIRWISE_BLOCK = 128
@@ -271,28 +272,40 @@ def draw_index(probs: np.ndarray, u: float) -> int:
 
 @jit
 def mtp_sampled_drafts(hidden, embed, draft_rows, draft_ids, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq,
-                       keys, values, past, o_proj, gate_up, down, top_k, temperature, top_p, uniforms, drafts, q, q_ids, counts):
+                       keys, values, past, o_proj, gate_up, down, top_k, temperature, top_p, uniforms, drafts, q, q_ids, counts,
+                       shared, tally, member, members):
     """A drafter's sampled MTP drafts in one call, as compiled.mtp_greedy_drafts with a draw for the
     argmax: per draft, the draft head's logits over its rows (draft_rows: bf16 lanes of the ids
     draft_ids), the candidates top-k keeps (_top_k_columns), warped (_warp_rows), their float32
     softmax q (softmax_rows) and the draw at uniforms[i] (_draw_index): the steps and bits of
     Model.draft_candidates and speculative._draw_draft without penalties or min-p. Draft i's q and
-    its ids fill q[i, :counts[i]] and q_ids[i, :counts[i]]."""
-    h = hidden.copy()
+    its ids fill q[i, :counts[i]] and q_ids[i, :counts[i]]. A team kernel as mtp_greedy_drafts (shared,
+    tally as it takes them): every member draws the same drafts, member 0 writes them."""
+    h, stage = hidden.copy(), 0
     for i in range(drafts.shape[0]):
-        kept, columns = _top_k_columns(compiled._lanes_product(draft_rows, h), top_k, temperature)
+        scores, place, stage = compiled.draft_scores(draft_rows, h, shared, i, fc, qkv_proj, o_proj, gate_up, down, tally, stage, members)
+        kept, columns = _top_k_columns(scores, top_k, temperature)
         warped = _warp_rows(kept, temperature, top_k, top_p)
         probs = np.empty(warped.shape, np.float32)
         softmax_rows(warped, probs)
-        n = columns.shape[0]
-        counts[i] = n
-        for c in range(n):
-            q[i, c] = probs[0, c]
-            q_ids[i, c] = draft_ids[columns[c]]
-        drafts[i] = q_ids[i, _draw_index(probs[0], uniforms[i])]
+        drafted = draft_ids[columns[_draw_index(probs[0], uniforms[i])]]
+        if member == 0:
+            n = columns.shape[0]
+            counts[i] = n
+            for c in range(n):
+                q[i, c] = probs[0, c]
+                q_ids[i, c] = draft_ids[columns[c]]
+            drafts[i] = drafted
         if i + 1 < drafts.shape[0]:
-            compiled.mtp_draft_pass(drafts[i], embed, h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start + i, inv_freq,
-                                    keys, values, past + i, o_proj, gate_up, down)
+            stage = compiled.mtp_draft_pass(drafted, embed, h, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start + i, inv_freq,
+                                            keys, values, past + i, o_proj, gate_up, down, place, tally, stage, members)
+
+
+@compiled._parallel_jit
+def mtp_sampled_drafts_team(args, members):
+    """mtp_sampled_drafts' members on numba's threads at once (threads.in_team)."""
+    for member in _prange(members):
+        mtp_sampled_drafts(*args, np.int64(member), members)  # prange's index is unsigned: one signature, not two
 
 
 def mtp_drafting_steps() -> list:
@@ -303,9 +316,10 @@ def mtp_drafting_steps() -> list:
         return []
     head = compiled.tiny_mtp_head()
     rows, ids = head[-1], np.zeros((2, 64), np.int64)
-    return steps + [lambda: mtp_sampled_drafts(np.ones((1, 64), np.float32), rows, rows, np.arange(64), *head, 2, np.float32(0.7), 0.9,
-                                               np.full(2, 0.5), np.zeros(2, np.int64), np.zeros((2, 64), np.float32), ids,
-                                               np.zeros(2, np.int64))]
+    args = lambda: (np.ones((1, 64), np.float32), rows, rows, np.arange(64), *head, 2, np.float32(0.7), 0.9, np.full(2, 0.5),
+                    np.zeros(2, np.int64), np.zeros((2, 64), np.float32), ids, np.zeros(2, np.int64),
+                    *compiled.drafting_scratch(2, rows, head[2], head[3], head[12], head[13], head[14]))
+    return steps + [lambda: mtp_sampled_drafts(*args(), 0, 1), lambda: mtp_sampled_drafts_team(args(), 2)]
 
 
 def warm_up() -> None:

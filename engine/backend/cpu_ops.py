@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from duet.engine.backend import MAX_ROWS, compiled, compiled_sampling, cpu
-from duet.engine.backend.threads import in_parallel, one_blas_thread
+from duet.engine.backend.threads import in_parallel, in_team, one_blas_thread
 from duet.engine.cache import RECENT_ROWS, DeltaNetState, KVCache, Q4KVCache, SequenceState
 from duet.engine.heads import ShortlistHead
 from duet.engine.sampling import candidate_rows
@@ -42,9 +42,10 @@ DELTANET_SPLIT_MIN = 1 << 17
 # attend_rows splits its KV heads between the cores from this many query-key products (rows x query
 # heads x keys x head dim): ~30 us of work, against a split's ~5 us.
 ATTEND_SPLIT_MIN = 1 << 18
-# An MTP pass runs in one compiled call (compiled.mtp_rows, on one core) below this many multiply-adds
-# (rows x its Linears' weights): ~70 us of products, where splitting them could save at most half
-# against the ~30 us of calls one call saves. The demo's head is 0.79 M a row; a 0.8B head's is ~20 M.
+# An MTP pass runs in one compiled call (compiled.mtp_rows, the cores as a team) below this many
+# multiply-adds (rows x its Linears' weights): ~70 us of products on one core, the bound set when the
+# call ran on one core alone (~30 us of calls saved, at most half the products' time lost). The demo's
+# head is 0.79 M a row; a 0.8B head's is ~20 M.
 MTP_ROWS_MAX_PRODUCTS = 1 << 22
 
 
@@ -82,6 +83,14 @@ class MTPPlan:
         position `start` whose keys and values go to `cache` from its length on."""
         return (self.norms, self.eps, self.fc, self.qkv_proj, self.heads, self.q_norm, self.k_norm, start, self.inv_freq,
                 cache.keys, cache.values, cache.length, self.o_proj, self.gate_up, self.down)
+
+    def pass_scratch(self, T: int, first: int) -> tuple[np.ndarray, np.ndarray]:
+        """compiled.pass_scratch for this head."""
+        return compiled.pass_scratch(T, first, self.fc, self.qkv_proj, self.o_proj, self.gate_up, self.down)
+
+    def drafting_scratch(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """compiled.drafting_scratch for this head's k drafts."""
+        return compiled.drafting_scratch(k, self.draft_rows, self.fc, self.qkv_proj, self.o_proj, self.gate_up, self.down)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -440,8 +449,9 @@ class CpuOps:
             return None
         cache.reserve(past + T)
         out = np.empty((T - first, hidden.shape[1]), np.float32)
-        compiled.mtp_rows(np.ascontiguousarray(model.embed[ids], np.float32), np.ascontiguousarray(hidden, np.float32),
-                          *plan.head_args(self.mtp_position(state, T), cache), first, out)
+        in_team(compiled.mtp_rows_team, compiled.mtp_rows,
+                (np.ascontiguousarray(model.embed[ids], np.float32), np.ascontiguousarray(hidden, np.float32),
+                 *plan.head_args(self.mtp_position(state, T), cache), first, out, *plan.pass_scratch(T, first)))
         cache.length = past + T  # the kernel wrote rows past.., as append would have
         state.advance(T)
         return out
@@ -453,8 +463,9 @@ class CpuOps:
         if not self._drafts_fit(plan, state, k):
             return None
         drafts = np.empty(k, np.int64)
-        compiled.mtp_greedy_drafts(np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids,
-                                   *plan.head_args(self.mtp_position(state, 1), state.layers[0]), drafts)
+        in_team(compiled.mtp_greedy_drafts_team, compiled.mtp_greedy_drafts,
+                (np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids,
+                 *plan.head_args(self.mtp_position(state, 1), state.layers[0]), drafts, *plan.drafting_scratch(k)))
         self._drafted(state, k)
         return drafts.tolist()
 
@@ -469,9 +480,10 @@ class CpuOps:
             return None
         drafts, counts = np.empty(k, np.int64), np.empty(k, np.int64)
         q, q_ids = np.empty((k, len(plan.draft_ids)), np.float32), np.empty((k, len(plan.draft_ids)), np.int64)
-        compiled_sampling.mtp_sampled_drafts(np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids,
-                                             *plan.head_args(self.mtp_position(state, 1), state.layers[0]), int(params.top_k),
-                                             np.float32(params.temperature), float(params.top_p), uniforms(k), drafts, q, q_ids, counts)
+        in_team(compiled_sampling.mtp_sampled_drafts_team, compiled_sampling.mtp_sampled_drafts,
+                (np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids,
+                 *plan.head_args(self.mtp_position(state, 1), state.layers[0]), int(params.top_k), np.float32(params.temperature),
+                 float(params.top_p), uniforms(k), drafts, q, q_ids, counts, *plan.drafting_scratch(k)))
         self._drafted(state, k)
         return drafts.tolist(), [q[i, :n] for i, n in enumerate(counts)], [q_ids[i, :n] for i, n in enumerate(counts)]
 

@@ -165,3 +165,17 @@ def in_compiled_parts(parallel, serial, args: tuple, n: int) -> None:
         parallel(args, n, parts)
     finally:
         _SPLITTING.release()
+
+
+def in_team(team, alone, args: tuple) -> None:
+    """A compiled team kernel, kernel(*args, member, members), whose members share each stage of its
+    work (compiled.py's MTP section): team(args, PARTS), its driver, running PARTS members on numba's
+    threads at once; or alone(*args, 0, 1) on the calling thread where one core serves or another split
+    runs (as in_compiled_parts). Each stage's output has the same bits either way."""
+    if team is None or PARTS < 2 or not _SPLITTING.acquire(blocking=False):
+        alone(*args, 0, 1)
+        return
+    try:
+        team(args, PARTS)
+    finally:
+        _SPLITTING.release()

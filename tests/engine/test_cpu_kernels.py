@@ -625,8 +625,9 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     kernels = [*w4a8, w4a16, compiled._dense, compiled.deltanet_heads,
                compiled.rms_norm_rows, compiled.add_rms_norm_rows, compiled.qk_norm_rope_rows, compiled.swiglu_rows, compiled.conv_rows, compiled.attend_rows, compiled.attend_q4_rows,
                compiled._delta_replay]
-    mtp = [compiled.mtp_rows, compiled.mtp_greedy_drafts, compiled_sampling.mtp_sampled_drafts] \
-        if compiled.bf16_dot_kernels()[0] == "avx512" else []  # MTP passes in one call
+    mtp = [compiled.mtp_rows, compiled.mtp_greedy_drafts, compiled_sampling.mtp_sampled_drafts, compiled.mtp_rows_team,
+           compiled.mtp_greedy_drafts_team, compiled_sampling.mtp_sampled_drafts_team] \
+        if compiled.bf16_dot_kernels()[0] == "avx512" else []  # MTP passes in one call, alone and as a team
     kernels += mtp
     drivers = [compiled.parts_driver(kernel) for kernel in kernels[:5]]  # the same kernels split between threads
     # the sampler's: softmax into float32 (probabilities) and float64 (a pick), draws from either

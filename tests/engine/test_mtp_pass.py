@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from duet.engine import SamplingParams, load_model
-from duet.engine.backend import compiled, compiled_sampling
+from duet.engine.backend import compiled, compiled_sampling, cpu_ops
 from duet.engine.backend.cpu_ops import CpuOps
 from duet.engine.sampling import Sampler
 from duet.engine.speculative import MTPDrafter
@@ -38,6 +38,19 @@ def test_the_head_has_a_plan_where_its_lanes_kernels_run(demo):
     assert CpuOps().mtp_plan(SimpleNamespace(mtp=demo.layers[0])) is None  # not an MTP head: no fc, no attention layer
 
 
+def _count_calls(monkeypatch, kernel, size) -> list:
+    """The calls of a one-call kernel (through threads.in_team), each as size(its arguments)."""
+    calls, in_team = [], cpu_ops.in_team
+
+    def counted(team, alone, args):
+        if alone is kernel:
+            calls.append(size(args))
+        in_team(team, alone, args)
+
+    monkeypatch.setattr(cpu_ops, "in_team", counted)
+    return calls
+
+
 def _passes(model, ids, hidden, past: int, last_only: bool):
     """A prefill of `past` rows, then passes of 1, 3, 5 and 2 rows: (their outputs, the cache's keys and values)."""
     state = model.new_mtp_state()
@@ -57,9 +70,7 @@ def test_one_call_gives_each_row_the_op_sets_bits(demo, monkeypatch, past, last_
     ids = np.random.default_rng(past).integers(0, demo.config.vocab_size, past + 12)
     hidden = demo.forward(demo.new_state(), ids)
     plan = demo.mtp_plan
-    calls = []
-    kernel = compiled.mtp_rows
-    monkeypatch.setattr(compiled, "mtp_rows", lambda *args: (calls.append(args[1].shape[0]), kernel(*args)))
+    calls = _count_calls(monkeypatch, compiled.mtp_rows, lambda args: args[1].shape[0])
     one_call = _passes(demo, ids, hidden, past, last_only)
     monkeypatch.setattr(demo, "mtp_plan", None)
     op_calls = _passes(demo, ids, hidden, past, last_only)
@@ -76,9 +87,7 @@ def test_greedy_drafts_in_one_call_are_the_op_sets_drafts(demo, monkeypatch, pas
     ids = np.random.default_rng(past + 1).integers(0, demo.config.vocab_size, past + 2)
     hidden = demo.forward(demo.new_state(), ids)
     plan = demo.mtp_plan
-    calls = []
-    kernel = compiled.mtp_greedy_drafts
-    monkeypatch.setattr(compiled, "mtp_greedy_drafts", lambda *args: (calls.append(len(args[-1])), kernel(*args)))
+    calls = _count_calls(monkeypatch, compiled.mtp_greedy_drafts, lambda args: len(args[19]))  # drafts
 
     def drafts(k: int):
         state = demo.new_mtp_state()
@@ -118,9 +127,7 @@ def test_sampled_drafts_in_one_call_are_the_drafters_own(demo, monkeypatch, para
     prompt = list(np.random.default_rng(9).integers(0, demo.config.vocab_size, 60))
     hidden = demo.forward(demo.new_state(), prompt)
     plan = demo.mtp_plan
-    calls = []
-    kernel = compiled_sampling.mtp_sampled_drafts
-    monkeypatch.setattr(compiled_sampling, "mtp_sampled_drafts", lambda *args: (calls.append(len(args[-4])), kernel(*args)))
+    calls = _count_calls(monkeypatch, compiled_sampling.mtp_sampled_drafts, lambda args: len(args[23]))  # drafts
 
     def drafts(k: int, seed: int):
         drafter, sampler = MTPDrafter(demo), Sampler(SamplingParams(**{**params.__dict__, "seed": seed}))
@@ -140,3 +147,59 @@ def test_sampled_drafts_in_one_call_are_the_drafters_own(demo, monkeypatch, para
             np.testing.assert_array_equal(q_ids, want_ids)
     if plan is not None:
         assert calls == ([] if params.penalizes else [1, 3, 4, 7])
+
+
+@pytest.mark.parametrize("kernel", ["rows", "greedy drafts", "sampled drafts"])
+def test_every_team_gives_the_bits_of_one_member_alone(demo, kernel):
+    """A team kernel (compiled.py's MTP section) run alone, by 2 and 3 members at once, and by 2 members
+    on one thread of numba's (one after the other: the first claims every chunk, the second must find
+    them done, not wait for a member that has not started): the same outputs and cached keys and
+    values, bit for bit."""
+    import numba
+
+    plan = demo.mtp_plan
+    if plan is None:  # no bf16 lanes on this CPU (AVX-512 only), so no one-call kernels to team up
+        assert compiled.bf16_dot_kernels()[0] != "avx512"
+        return
+    ids = np.random.default_rng(5).integers(0, demo.config.vocab_size, 60)
+    hidden = demo.forward(demo.new_state(), ids)
+    state = demo.new_mtp_state()
+    last = demo.mtp_forward(state, ids[1:51], hidden[:50], last_only=True)
+    state.layers[0].reserve(60)
+    H = hidden.shape[1]
+
+    def run(driver, members):
+        """The kernel on fresh outputs and a copy of the cache: its outputs and the cache's rows."""
+        cache = SimpleNamespace(keys=state.layers[0].keys.copy(), values=state.layers[0].values.copy(), length=50)
+        head = plan.head_args(51, cache)
+        if kernel == "rows":  # three rows, the last alone through attention and the MLP
+            outputs = [np.empty((1, H), np.float32)]
+            args = (np.ascontiguousarray(demo.embed[ids[51:54]], np.float32), np.ascontiguousarray(hidden[50:53]), *head, 2,
+                    outputs[0], *plan.pass_scratch(3, 2))
+            alone, team = compiled.mtp_rows, compiled.mtp_rows_team
+        elif kernel == "greedy drafts":
+            outputs = [np.empty(4, np.int64)]
+            args = (last, plan.embed, plan.draft_rows, plan.draft_ids, *head, outputs[0], *plan.drafting_scratch(4))
+            alone, team = compiled.mtp_greedy_drafts, compiled.mtp_greedy_drafts_team
+        else:
+            S = len(plan.draft_ids)
+            outputs = [np.empty(4, np.int64), np.zeros((4, S), np.float32), np.zeros((4, S), np.int64), np.empty(4, np.int64)]
+            args = (last, plan.embed, plan.draft_rows, plan.draft_ids, *head, 20, np.float32(0.8), 0.95,
+                    np.array([0.1, 0.5, 0.9, 0.3]), *outputs, *plan.drafting_scratch(4))
+            alone, team = compiled_sampling.mtp_sampled_drafts, compiled_sampling.mtp_sampled_drafts_team
+        if driver:
+            team(args, members)
+        else:
+            alone(*args, 0, 1)
+        return [*outputs, cache.keys[:, :54], cache.values[:, :54]]
+
+    want = run(False, 1)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        one_after_another = run(True, 2)
+    finally:
+        numba.set_num_threads(threads)
+    for got in (run(True, 2), run(True, 3), one_after_another):
+        for array, wanted in zip(got, want):
+            np.testing.assert_array_equal(array.view(np.uint8), wanted.view(np.uint8))
