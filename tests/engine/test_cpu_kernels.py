@@ -498,6 +498,10 @@ def test_a_bf16_checkpoint_loads_its_matrices_as_bits(tmp_path):
     table = reference.get_input_embeddings().weight.float().detach().numpy()
     ids = np.array([0, 1, 31, 32, 77, len(table) - 1])
     assert np.array_equal(model.embed[ids], table[ids])
+    assert np.array_equal(model.embed[ids.reshape(2, 3)], table[ids.reshape(2, 3)]) and np.array_equal(model.embed[77], table[77])
+    for outside in (len(table), len(table) + 40):  # an id past the rows is refused, never read (lanes pad to 64 rows)
+        with pytest.raises(IndexError):
+            model.embed[np.array([3, outside])]
     mixer = model.layers[0].mixer
     N, K = mixer.in_proj.shape
     held = -(-N // 64) * 64 if compiled.bf16_dot_kernels()[0] == "avx512" else N  # lanes of 32 rows in pairs, the last padded
@@ -626,8 +630,8 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
                compiled.rms_norm_rows, compiled.add_rms_norm_rows, compiled.qk_norm_rope_rows, compiled.swiglu_rows, compiled.conv_rows, compiled.attend_rows, compiled.attend_q4_rows,
                compiled._delta_replay]
     mtp = [compiled.mtp_rows, compiled.mtp_greedy_drafts, compiled_sampling.mtp_sampled_drafts, compiled.mtp_rows_team,
-           compiled.mtp_greedy_drafts_team, compiled_sampling.mtp_sampled_drafts_team] \
-        if compiled.bf16_dot_kernels()[0] == "avx512" else []  # MTP passes in one call, alone and as a team
+           compiled.mtp_greedy_drafts_team, compiled_sampling.mtp_sampled_drafts_team, compiled.lane_rows] \
+        if compiled.bf16_dot_kernels()[0] == "avx512" else []  # MTP passes in one call, alone and as a team; tied table lookups
     kernels += mtp
     drivers = [compiled.parts_driver(kernel) for kernel in kernels[:5]]  # the same kernels split between threads
     # the sampler's: softmax into float32 (probabilities) and float64 (a pick), draws from either
