@@ -1760,8 +1760,9 @@ def conv_rows(window, taps_by_lag, out):
 def lane_rows(lanes, rows, ids, out):
     """out [n, K] (uint32): the fp32 bits of rows ids [n] of bf16 weight lanes [B, K, 32] holding `rows`
     rows, row i being lane i % 32 of block i // 32 (a tied table's lookups). False, with nothing
-    written, if an id is not one of the rows. A row's K values lie 64 bytes apart, a cache line each: numpy's fancy index over them took
-    4.8 us for three rows of the demo (48 us with the table out of cache), this 1.2 (17)."""
+    written, if an id is not one of the rows. A row's K values lie 64 bytes apart, a cache line each:
+    numpy's fancy index over them took 4.8 us for three rows of the demo (48 us with the table out of
+    cache), this 1.2 (17)."""
     for r in range(ids.shape[0]):
         if not 0 <= ids[r] < rows:
             return False
@@ -1778,7 +1779,7 @@ def lane_rows(lanes, rows, ids, out):
 # op set, 38 this way (three rows: 76 and 50). The same kernels run in the same order on the same
 # rows, so every row gets the bits the op-by-op pass gives it.
 #
-# The cores share such a call as a team (team_kernel): member m of `members` runs kernel(*args, m,
+# The cores share such a call as a team (threads.in_team): member m of `members` runs kernel(*args, m,
 # members) at once with the others. Each product is cut into a chunk a member (pairs of 32-row weight
 # blocks, as its parts driver cuts it) and attention into its KV heads; a member claims a stage's chunks
 # one by one (tally_add on the stage's claim count) until none is left, then waits until all are done
@@ -1932,7 +1933,7 @@ def mtp_rows(embedded, hidden, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, 
     The layer's keys and values go to keys, values [kv, >= past + T, hd] at rows past..; row t sits at
     position start + t. out [T - first, H]: the head's output for rows first.. (first = T - 1: the
     last row alone, whose attention and feed-forward alone run, as LAST_ROW_ALONE lets the op set).
-    Member `member` of a team of `members` (team_kernel): shared of pass_floats(T, first, ...) floats,
+    Member `member` of a team of `members` (threads.in_team): shared of pass_floats(T, first, ...) floats,
     tally zeros [2 TEAM_STAGES_A_PASS]."""
     _mtp_pass(embedded, hidden, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq, keys, values, past,
               o_proj, gate_up, down, first, out if member == 0 else np.empty_like(out), shared, tally, 0, members)
@@ -1969,7 +1970,7 @@ def mtp_greedy_drafts(hidden, embed, draft_rows, draft_ids, norms, eps, fc, qkv_
     over that draft (its row of the tied table's lanes `embed`) at the next position, its keys and
     values cached at rows past, past + 1, ... Per draft this is what Model.draft_greedy_ids and
     Model.mtp_forward compute, with the same kernels, so the same ids. Member `member` of a team of
-    `members` (team_kernel): shared of k draft_floats(...), tally zeros [2 k (1 + TEAM_STAGES_A_PASS)]."""
+    `members` (threads.in_team): shared of k draft_floats(...), tally zeros [2 k (1 + TEAM_STAGES_A_PASS)]."""
     h, stage = hidden.copy(), 0
     for i in range(drafts.shape[0]):
         scores, place, stage = draft_scores(draft_rows, h, shared, i, fc, qkv_proj, o_proj, gate_up, down, tally, stage, members)
