@@ -1849,16 +1849,22 @@ def draft_floats(draft_rows, fc, qkv_proj, o_proj, gate_up, down):
     return draft_rows.shape[0] * 32 + pass_floats(1, 0, fc, qkv_proj, o_proj, gate_up, down)
 
 
-def pass_scratch(T: int, first: int, fc, qkv_proj, o_proj, gate_up, down) -> tuple[np.ndarray, np.ndarray]:
-    """shared and tally (zeros) for mtp_rows over T rows from `first`, alone or as a team."""
-    floats = pass_floats(T, first, fc, qkv_proj, o_proj, gate_up, down)
+def _head_linears(head: tuple) -> tuple:
+    """fc, qkv_proj, o_proj, gate_up and down of the MTP kernels' shared arguments (mtp_rows' norms..down)."""
+    return head[2], head[3], head[12], head[13], head[14]
+
+
+def pass_scratch(T: int, first: int, head: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """shared and tally (zeros) for mtp_rows over T rows from `first`, alone or as a team; head: the
+    kernels' shared arguments (cpu_ops.MTPPlan.head_args)."""
+    floats = pass_floats(T, first, *_head_linears(head))
     return np.empty(floats, np.float32), np.zeros(2 * TEAM_STAGES_A_PASS, np.int64)
 
 
-def drafting_scratch(k: int, draft_rows, fc, qkv_proj, o_proj, gate_up, down) -> tuple[np.ndarray, np.ndarray]:
+def drafting_scratch(k: int, draft_rows, head: tuple) -> tuple[np.ndarray, np.ndarray]:
     """shared and tally (zeros) for k drafts in one call (mtp_greedy_drafts, compiled_sampling.mtp_sampled_drafts):
     a head product and a one-row pass a draft."""
-    floats = k * draft_floats(draft_rows, fc, qkv_proj, o_proj, gate_up, down)
+    floats = k * draft_floats(draft_rows, *_head_linears(head))
     return np.empty(floats, np.float32), np.zeros(2 * k * (1 + TEAM_STAGES_A_PASS), np.int64)
 
 
@@ -2807,9 +2813,8 @@ def mtp_kernel_steps() -> list[Callable[[], None]]:
         return []
     head, x = tiny_mtp_head(), np.ones((1, 64), np.float32)
     rows = head[-1]
-    linears = head[2], head[3], head[12], head[13], head[14]  # fc, qkv_proj, o_proj, gate_up, down
-    rows_args = lambda: (x, x.copy(), *head, 0, np.zeros((1, 64), np.float32), *pass_scratch(1, 0, *linears))
-    drafts_args = lambda: (x, rows, rows, np.arange(64), *head, np.zeros(2, np.int64), *drafting_scratch(2, rows, *linears))
+    rows_args = lambda: (x, x.copy(), *head, 0, np.zeros((1, 64), np.float32), *pass_scratch(1, 0, head))
+    drafts_args = lambda: (x, rows, rows, np.arange(64), *head, np.zeros(2, np.int64), *drafting_scratch(2, rows, head))
     return [lambda: mtp_rows(*rows_args(), 0, 1), lambda: mtp_rows_team(rows_args(), 2),
             lambda: mtp_greedy_drafts(*drafts_args(), 0, 1), lambda: mtp_greedy_drafts_team(drafts_args(), 2)]
 

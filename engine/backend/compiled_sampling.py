@@ -318,7 +318,7 @@ def mtp_drafting_steps() -> list:
     rows, ids = head[-1], np.zeros((2, 64), np.int64)
     args = lambda: (np.ones((1, 64), np.float32), rows, rows, np.arange(64), *head, 2, np.float32(0.7), 0.9, np.full(2, 0.5),
                     np.zeros(2, np.int64), np.zeros((2, 64), np.float32), ids, np.zeros(2, np.int64),
-                    *compiled.drafting_scratch(2, rows, head[2], head[3], head[12], head[13], head[14]))
+                    *compiled.drafting_scratch(2, rows, head))
     return steps + [lambda: mtp_sampled_drafts(*args(), 0, 1), lambda: mtp_sampled_drafts_team(args(), 2)]
 
 

@@ -84,14 +84,6 @@ class MTPPlan:
         return (self.norms, self.eps, self.fc, self.qkv_proj, self.heads, self.q_norm, self.k_norm, start, self.inv_freq,
                 cache.keys, cache.values, cache.length, self.o_proj, self.gate_up, self.down)
 
-    def pass_scratch(self, T: int, first: int) -> tuple[np.ndarray, np.ndarray]:
-        """compiled.pass_scratch for this head."""
-        return compiled.pass_scratch(T, first, self.fc, self.qkv_proj, self.o_proj, self.gate_up, self.down)
-
-    def drafting_scratch(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """compiled.drafting_scratch for this head's k drafts."""
-        return compiled.drafting_scratch(k, self.draft_rows, self.fc, self.qkv_proj, self.o_proj, self.gate_up, self.down)
-
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x * rsqrt(mean(x^2) + eps) * weight over the last axis. Zero-centred norms pass 1 + w.
@@ -449,9 +441,10 @@ class CpuOps:
             return None
         cache.reserve(past + T)
         out = np.empty((T - first, hidden.shape[1]), np.float32)
+        head = plan.head_args(self.mtp_position(state, T), cache)
         in_team(compiled.mtp_rows_team, compiled.mtp_rows,
-                (np.ascontiguousarray(model.embed[ids], np.float32), np.ascontiguousarray(hidden, np.float32),
-                 *plan.head_args(self.mtp_position(state, T), cache), first, out, *plan.pass_scratch(T, first)))
+                (np.ascontiguousarray(model.embed[ids], np.float32), np.ascontiguousarray(hidden, np.float32), *head, first, out,
+                 *compiled.pass_scratch(T, first, head)))
         cache.length = past + T  # the kernel wrote rows past.., as append would have
         state.advance(T)
         return out
@@ -463,9 +456,10 @@ class CpuOps:
         if not self._drafts_fit(plan, state, k):
             return None
         drafts = np.empty(k, np.int64)
+        head = plan.head_args(self.mtp_position(state, 1), state.layers[0])
         in_team(compiled.mtp_greedy_drafts_team, compiled.mtp_greedy_drafts,
-                (np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids,
-                 *plan.head_args(self.mtp_position(state, 1), state.layers[0]), drafts, *plan.drafting_scratch(k)))
+                (np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids, *head, drafts,
+                 *compiled.drafting_scratch(k, plan.draft_rows, head)))
         self._drafted(state, k)
         return drafts.tolist()
 
@@ -480,10 +474,11 @@ class CpuOps:
             return None
         drafts, counts = np.empty(k, np.int64), np.empty(k, np.int64)
         q, q_ids = np.empty((k, len(plan.draft_ids)), np.float32), np.empty((k, len(plan.draft_ids)), np.int64)
+        head = plan.head_args(self.mtp_position(state, 1), state.layers[0])
         in_team(compiled_sampling.mtp_sampled_drafts_team, compiled_sampling.mtp_sampled_drafts,
-                (np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids,
-                 *plan.head_args(self.mtp_position(state, 1), state.layers[0]), int(params.top_k), np.float32(params.temperature),
-                 float(params.top_p), uniforms(k), drafts, q, q_ids, counts, *plan.drafting_scratch(k)))
+                (np.ascontiguousarray(hidden, np.float32), plan.embed, plan.draft_rows, plan.draft_ids, *head, int(params.top_k),
+                 np.float32(params.temperature), float(params.top_p), uniforms(k), drafts, q, q_ids, counts,
+                 *compiled.drafting_scratch(k, plan.draft_rows, head)))
         self._drafted(state, k)
         return drafts.tolist(), [q[i, :n] for i, n in enumerate(counts)], [q_ids[i, :n] for i, n in enumerate(counts)]
 

@@ -175,17 +175,17 @@ def test_every_team_gives_the_bits_of_one_member_alone(demo, kernel):
         if kernel == "rows":  # three rows, the last alone through attention and the MLP
             outputs = [np.empty((1, H), np.float32)]
             args = (np.ascontiguousarray(demo.embed[ids[51:54]], np.float32), np.ascontiguousarray(hidden[50:53]), *head, 2,
-                    outputs[0], *plan.pass_scratch(3, 2))
+                    outputs[0], *compiled.pass_scratch(3, 2, head))
             alone, team = compiled.mtp_rows, compiled.mtp_rows_team
         elif kernel == "greedy drafts":
             outputs = [np.empty(4, np.int64)]
-            args = (last, plan.embed, plan.draft_rows, plan.draft_ids, *head, outputs[0], *plan.drafting_scratch(4))
+            args = (last, plan.embed, plan.draft_rows, plan.draft_ids, *head, outputs[0], *compiled.drafting_scratch(4, plan.draft_rows, head))
             alone, team = compiled.mtp_greedy_drafts, compiled.mtp_greedy_drafts_team
         else:
             S = len(plan.draft_ids)
             outputs = [np.empty(4, np.int64), np.zeros((4, S), np.float32), np.zeros((4, S), np.int64), np.empty(4, np.int64)]
             args = (last, plan.embed, plan.draft_rows, plan.draft_ids, *head, 20, np.float32(0.8), 0.95,
-                    np.array([0.1, 0.5, 0.9, 0.3]), *outputs, *plan.drafting_scratch(4))
+                    np.array([0.1, 0.5, 0.9, 0.3]), *outputs, *compiled.drafting_scratch(4, plan.draft_rows, head))
             alone, team = compiled_sampling.mtp_sampled_drafts, compiled_sampling.mtp_sampled_drafts_team
         if driver:
             team(args, members)
