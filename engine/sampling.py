@@ -31,6 +31,11 @@ from duet.engine.errors import DuetError
 _compiled = compiled_sampling if compiled_sampling.available() else None
 
 
+def compiled_twins():
+    """The compiled twins in use (engine/backend/compiled_sampling.py), or None where this numpy code runs."""
+    return _compiled
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 is greedy: penalties apply, the warpers after them do not

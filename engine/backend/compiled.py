@@ -374,6 +374,25 @@ if _numba:
 
         return _numba.types.int64(tally, _numba.types.intp), codegen
 
+    @intrinsic
+    def next_uniform(typingctx, bitgen):
+        """In compiled code: the next value numpy's Generator.random() would give, drawn from the bit
+        generator itself: `bitgen` is the address of its bitgen_t (BitGenerator.ctypes.bit_generator),
+        whose fields are pointers, {state, next_uint64, next_uint32, next_double, next_raw}. Calling
+        next_double(state) is what random() does, so the value and the state after are the same."""
+        if not isinstance(bitgen, _numba.types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ir = llvmlite.ir
+            byte_pointer = ir.IntType(8).as_pointer()
+            fields = builder.inttoptr(args[0], byte_pointer.as_pointer())
+            next_double = ir.FunctionType(ir.DoubleType(), [byte_pointer])
+            draw = builder.bitcast(builder.load(builder.gep(fields, [ir.Constant(ir.IntType(32), 3)])), next_double.as_pointer())
+            return builder.call(draw, [builder.load(fields)])
+
+        return _numba.types.float64(bitgen), codegen
+
     class _Int8Dots:
         """The int8 dot instructions of this CPU's family (int8_dot_kernels' "vnni" or "avx2"), declared
         in the module `builder` writes, on int32 vectors of QUAD_COLUMN lanes (one 4-byte group a lane)."""

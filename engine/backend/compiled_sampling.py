@@ -1,5 +1,6 @@
-"""Compiled twins (numba) of the sampler's steps on the host: the op set's top-k candidates, and
-engine/sampling.py's warpers (temperature, top-k, top-p), softmax and draw.
+"""Compiled twins (numba) of the sampler's steps on the host: the op set's top-k candidates,
+engine/sampling.py's warpers (temperature, top-k, top-p), softmax and draw, and the sampled rules of
+speculative.accept.
 
 A sampled cycle on the demo ran ~40 numpy calls a draft and ~60 a verify pass, each on a few dozen
 numbers: 0.45 ms of a 1.4 ms cycle, against ~30 us of arithmetic. These take one call a step.
@@ -8,6 +9,8 @@ Numerics, against engine/sampling.py's numpy code (tests/engine/test_sampling_ke
 - candidates, warpers, draws: the same bits. Temperature is the same float32 division; top-k keeps
   what is at or above the k-th largest value (selection, no arithmetic); a draw sums float64 in
   numpy's cumsum order and compares the same quotients.
+- acceptance: speculative.accept's loop step for step on the softmax below, the residual in float32
+  with numpy's sum order: the same verdict, from the same uniforms of the sampler's own generator.
 - softmax: float64 as numpy's (the maximum subtracted, the sum in numpy's pairwise order), with
   exp from the C library where numpy has its own vector exp: a result may differ in the last bits of
   float64 (4 ulp at most in the tests; 4% of values differ at all), a float32 probability only where
@@ -34,11 +37,12 @@ def available() -> bool:
 
 
 @jit
-def _block_sum(a, lo, n):
-    """sum(a[lo : lo + n]), n <= PAIRWISE_BLOCK, in numpy's order: under 8 terms one by one; else
-    eight interleaved partial sums added as ((0+1)+(2+3))+((4+5)+(6+7)), then the tail."""
+def _block_sum(a, lo, n, zero):
+    """sum(a[lo : lo + n]), n <= PAIRWISE_BLOCK, in numpy's order: under 8 terms one by one from
+    `zero` (0 in a's dtype: numpy sums float32 in float32); else eight interleaved partial sums added
+    as ((0+1)+(2+3))+((4+5)+(6+7)), then the tail."""
     if n < 8:
-        total = 0.0
+        total = zero
         for i in range(lo, lo + n):
             total += a[i]
         return total
@@ -61,19 +65,20 @@ def _block_sum(a, lo, n):
 
 
 @jit
-def _pairwise_sum(a, n):
-    """sum(a[:n]) in numpy's pairwise order: blocks of up to PAIRWISE_BLOCK summed as _block_sum,
-    a longer range as the sum of its halves (cut at a multiple of 8). The recursion runs on an explicit
-    stack: numba's disk cache loads recursive functions wrongly (a crash on the second run)."""
+def _pairwise_sum(a, n, zero):
+    """sum(a[:n]) in numpy's pairwise order, in the dtype of `zero` (a's: 0.0 for float64, np.float32(0)
+    for float32): blocks of up to PAIRWISE_BLOCK summed as _block_sum, a longer range as the sum of its
+    halves (cut at a multiple of 8). The recursion runs on an explicit stack: numba's disk cache loads
+    recursive functions wrongly (a crash on the second run)."""
     starts, lengths, phases = np.empty(64, np.int64), np.empty(64, np.int64), np.empty(64, np.int64)
-    sums = np.empty(64, np.float64)
+    sums = np.empty(64, a.dtype)
     top, held = 0, 0
     starts[0], lengths[0], phases[0] = 0, n, 0
     while top >= 0:
         lo, m = starts[top], lengths[top]
         half = m // 2 - (m // 2) % 8
         if m <= PAIRWISE_BLOCK:
-            sums[held] = _block_sum(a, lo, m)
+            sums[held] = _block_sum(a, lo, m, zero)
             held += 1
             top -= 1
         elif phases[top] < 2:  # push the left half, then the right
@@ -98,7 +103,7 @@ def _softmax64_of(values, out):
             top = values[i]
     for i in range(n):
         out[i] = np.exp(np.float64(values[i]) - np.float64(top))
-    total = _pairwise_sum(out, n)
+    total = _pairwise_sum(out, n, 0.0)
     for i in range(n):
         out[i] /= total
 
@@ -271,6 +276,71 @@ def draw_index(probs: np.ndarray, u: float) -> int:
 
 
 @jit
+def _probability_at(token, probs, ids):
+    """speculative._probability_of: probs[j] where ids[j] == token (ids ascending), else 0, as float64."""
+    at = np.searchsorted(ids, token)
+    return np.float64(probs[at]) if at < ids.shape[0] and ids[at] == token else 0.0
+
+
+@jit
+def _residual_draw(p, p_ids, q, q_ids, u):
+    """speculative._draw_residual: an id drawn at u from norm(max(0, p - q)) over the ids either covers
+    (np.union1d of two ascending id lists is their merge), p where that is all 0; the float32
+    difference, numpy's float32 sum and the quotient as speculative.residual computes them."""
+    n = p_ids.shape[0] + q_ids.shape[0]
+    union, rest, p_on = np.empty(n, np.int64), np.empty(n, np.float32), np.empty(n, np.float32)
+    i = j = m = 0
+    while i < p_ids.shape[0] or j < q_ids.shape[0]:
+        take_p = j == q_ids.shape[0] or (i < p_ids.shape[0] and p_ids[i] <= q_ids[j])
+        take_q = i == p_ids.shape[0] or (j < q_ids.shape[0] and q_ids[j] <= p_ids[i])
+        union[m] = p_ids[i] if take_p else q_ids[j]
+        p_on[m] = p[i] if take_p else np.float32(0)
+        difference = p_on[m] - (q[j] if take_q else np.float32(0))
+        rest[m] = difference if difference > 0 else np.float32(0)
+        i += take_p
+        j += take_q
+        m += 1
+    total = _pairwise_sum(rest, m, np.float32(0))
+    if total > 0:
+        for c in range(m):
+            rest[c] = rest[c] / total
+        return union[_draw_index(rest[:m], u)]
+    return union[_draw_index(p_on[:m], u)]
+
+
+@jit
+def accept_rows(target, columns, drafts, q, q_ids, q_counts, lossy_rule, bitgen):
+    """speculative.accept's sampled rules in one call: (drafts kept, the token after them, lossy
+    keeps). target [k + 1, C]: the verify rows' processed logits over the ascending ids `columns`;
+    draft i's q over q_ids[i, :q_counts[i]] (ascending), one-hot on the draft where q_counts[i] < 0.
+    Each row's float32 softmax (softmax_rows), the probabilities read by id, the comparisons in
+    float64, the residual and bonus draws as the Python rule makes them, with the same uniforms in the
+    same order from the sampler's own generator (compiled.next_uniform at `bitgen`), so its state after is too."""
+    k, C = drafts.shape[0], columns.shape[0]
+    probs = np.empty((1, C), np.float32)
+    one = np.ones(1, np.float32)
+    lossy = 0
+    for i in range(k):
+        softmax_rows(target[i : i + 1], probs)
+        x = drafts[i]
+        p_x = _probability_at(x, probs[0], columns)
+        n = q_counts[i]
+        q_x = 1.0 if n < 0 else _probability_at(x, q[i, :n], q_ids[i, :n])
+        if compiled.next_uniform(bitgen) * q_x < p_x:  # u < p(x) / q(x) without dividing
+            continue
+        if n < 0:
+            r = _residual_draw(probs[0], columns, one, drafts[i : i + 1], compiled.next_uniform(bitgen))
+        else:
+            r = _residual_draw(probs[0], columns, q[i, :n], q_ids[i, :n], compiled.next_uniform(bitgen))
+        if lossy_rule and p_x >= _probability_at(r, probs[0], columns):
+            lossy += 1
+            continue
+        return i, r, lossy
+    softmax_rows(target[k : k + 1], probs)
+    return k, columns[_draw_index(probs[0], compiled.next_uniform(bitgen))], lossy
+
+
+@jit
 def mtp_sampled_drafts(hidden, embed, draft_rows, draft_ids, norms, eps, fc, qkv_proj, heads, q_norm, k_norm, start, inv_freq,
                        keys, values, past, o_proj, gate_up, down, top_k, temperature, top_p, uniforms, drafts, q, q_ids, counts,
                        shared, tally, member, members):
@@ -330,3 +400,6 @@ def warm_up() -> None:
     for dtype in (np.float32, np.float64):
         softmax_rows(rows, np.empty(rows.shape, dtype))
         draw_index(np.array([0.25, 0.0, 0.75], dtype), 0.5)
+    generator = np.random.Generator(np.random.PCG64(0))
+    accept_rows(np.concatenate([rows, rows]), np.arange(4), np.array([1]), np.ones((1, 1), np.float32), np.array([[1]]),
+                np.array([1]), False, generator.bit_generator.ctypes.bit_generator.value)

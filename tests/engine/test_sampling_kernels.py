@@ -6,13 +6,14 @@ softmax within its stated bound."""
 from __future__ import annotations
 
 import functools
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import duet.engine.sampling as sampling
-from duet.engine import Draft, GenerateOptions, SamplingParams, generate, load_model
+from duet.engine import Draft, GenerateOptions, SamplingParams, generate, load_model, speculative
 from duet.engine.backend import compiled_sampling
 from duet.engine.backend.cpu_ops import CpuOps
 from duet.engine.sampling import Sampler, process_logits, process_rows
@@ -40,7 +41,7 @@ CASES = [(seed, T, V, ties, shortlist) for seed, (T, V) in enumerate([(1, 50), (
 @pytest.mark.parametrize("n", [*range(0, 300), 1000, 4096, 33_333, 248_320])
 def test_the_pairwise_sum_is_numpys_to_the_bit(n):
     values = np.exp(np.random.default_rng(n).standard_normal(n) * 5)
-    assert compiled_sampling._pairwise_sum(values, n) == values.sum()
+    assert compiled_sampling._pairwise_sum(values, n, 0.0) == values.sum()
 
 
 @pytest.mark.parametrize("seed,T,V,ties,shortlist", CASES)
@@ -122,3 +123,94 @@ def test_a_seeded_sampled_reply_is_the_same_on_the_kernels_and_on_numpy(drafter,
     monkeypatch.setattr(lm.model.ops, "top_k_candidates", functools.partial(CpuOps.top_k_candidates, CpuOps(compiled_steps=False)))
     assert reply() == ours
     assert ours[1][1] > 0 or drafter == Draft.NONE  # drafts were judged
+
+
+def a_verify(rng: np.random.Generator, V: int, k: int, top_k: int, kind: str):
+    """(processed verify rows [k + 1, C], their columns or None, a Draft) like a sampled cycle's: drafts
+    that are mostly among a row's candidates, each with q over a few ids ("sparse", as MTP drafts),
+    over every id ("whole") or none (one-hot, as n-gram drafts)."""
+    logits = (rng.standard_normal((k + 1, V)) * 3).astype(np.float32)
+    params = SamplingParams(temperature=0.7, top_k=top_k, top_p=0.9)
+    values, columns = CpuOps(compiled_steps=True).top_k_candidates(logits, top_k, params.temperature)
+    ids = np.arange(V) if columns is None else columns
+    likeliest = ids[np.argmax(values[:k], axis=-1)]  # a draft the row before it favours, most of the time
+    drafts = np.where(rng.random(k) < 0.75, likeliest, rng.choice(ids, size=k))
+    target = process_rows(values, params, [], drafts.tolist(), columns)
+    q, q_ids = [], []
+    for i, x in enumerate(drafts):
+        if kind == "sparse":
+            these = np.union1d(rng.choice(V, size=int(rng.integers(1, 30)), replace=False), [x])
+            weights = rng.random(len(these)).astype(np.float32) * (rng.random(len(these)) < 0.9)
+            q.append((weights / weights.sum()).astype(np.float32) if weights.sum() > 0 else np.ones(len(these), np.float32) / len(these))
+            q_ids.append(these)
+        elif kind == "whole":  # near the target row's own distribution, with some mass on every id
+            weights = np.full(V, 0.1 / V, np.float32)
+            weights[ids] += sampling.probabilities(target[i]) * rng.random(len(ids)).astype(np.float32)
+            q.append((weights / weights.sum()).astype(np.float32))
+            q_ids.append(None)
+        else:
+            q.append(None)
+    return target, columns, speculative.Draft(drafts.tolist(), q, q_ids)
+
+
+@pytest.mark.parametrize("kind", ["sparse", "whole", "one-hot"])
+@pytest.mark.parametrize("top_k", [20, 0])
+@pytest.mark.parametrize("rule", [speculative.EXACT, speculative.LOSSY])
+def test_sampled_acceptance_in_one_call_is_the_loops_with_the_same_draws(kind, top_k, rule, monkeypatch):
+    """compiled_sampling.accept_rows against speculative.accept's loop: the same verdict in every case,
+    and the sampler's generator left at the same draw (its next values equal), over cycles that keep
+    every draft, reject at each depth, and (lossy) keep drafts only by the lossy rule."""
+    rng = np.random.default_rng(zlib.crc32(f"{kind} {top_k} {rule}".encode()))
+    verdicts = []
+    for case in range(300):
+        k = int(rng.integers(0, 5))
+        target, columns, draft = a_verify(rng, 300 if top_k else 60, k, top_k, kind)
+        seed = int(rng.integers(2**31))
+        sampler = Sampler(SamplingParams(temperature=0.7, seed=seed))
+        ours = speculative.accept(rule, target, draft, sampler, columns)
+        ours_after = sampler.rng.random(3)
+        with monkeypatch.context() as patched:
+            patched.setattr(speculative, "compiled_twins", lambda: None)
+            sampler = Sampler(SamplingParams(temperature=0.7, seed=seed))
+            assert speculative.accept(rule, target, draft, sampler, columns) == ours, case
+        np.testing.assert_array_equal(sampler.rng.random(3), ours_after)
+        verdicts.append((ours.accepted, ours.accepted == k, ours.lossy))
+    assert {accepted for accepted, _, _ in verdicts if accepted < 4} == {0, 1, 2, 3}
+    assert any(all_kept for _, all_kept, _ in verdicts) and not all(all_kept for _, all_kept, _ in verdicts)
+    assert any(lossy for _, _, lossy in verdicts) == (rule == speculative.LOSSY)
+
+
+@pytest.mark.parametrize("n", [*range(0, 300), 1000, 4096])
+def test_the_float32_pairwise_sum_is_numpys_to_the_bit(n):
+    values = (np.random.default_rng(n).random(n) ** 4).astype(np.float32)
+    assert compiled_sampling._pairwise_sum(values, n, np.float32(0)) == values.sum()
+
+
+def test_residual_draws_are_the_loops_at_every_boundary():
+    """compiled_sampling._residual_draw against speculative._draw_residual (p over a row's candidates,
+    q over a draft's ids, or one-hot): uniforms on and beside each cumulative boundary of the residual,
+    where a last-bit difference in its float32 sum or quotient would pick another id."""
+    rng = np.random.default_rng(11)
+    for case in range(60):
+        p_ids = np.sort(rng.choice(200, size=int(rng.integers(1, 90)), replace=False))
+        p = rng.random(len(p_ids)).astype(np.float32) ** 3
+        p /= p.sum()
+        drafted = int(rng.choice(p_ids))
+        if case % 3:
+            q_ids = np.union1d(rng.choice(200, size=int(rng.integers(1, 40)), replace=False), [drafted])
+            q = (rng.random(len(q_ids)) ** 3).astype(np.float32)
+            q /= q.sum()
+        else:
+            q, q_ids = None, None
+        one_hot = (np.ones(1, np.float32), np.array([drafted])) if q is None else (q, q_ids)
+        union = np.union1d(p_ids, one_hot[1])
+        p_on, q_on = np.zeros(len(union), np.float32), np.zeros(len(union), np.float32)
+        p_on[np.searchsorted(union, p_ids)], q_on[np.searchsorted(union, one_hot[1])] = p, one_hot[0]
+        probs = speculative.residual(p_on, q_on, drafted)
+        cdf = np.cumsum(probs[probs > 0], dtype=np.float64)
+        cdf /= cdf[-1]
+        for u in [0.0, *cdf[:-1], *np.nextafter(cdf[:-1], 0), *rng.random(5)]:
+            sampler = Sampler(SamplingParams(temperature=1.0))
+            sampler.rng = ScriptedRng([u])
+            expected = speculative._draw_residual(p, p_ids, q, q_ids, drafted, sampler)
+            assert compiled_sampling._residual_draw(p, p_ids, *one_hot, u) == expected, (case, u)
