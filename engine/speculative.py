@@ -26,13 +26,17 @@ class Draft:
     tokens: list[int]
     q: list[np.ndarray | None]  # per draft: the distribution it was drawn from, or None if one-hot
     q_ids: list[np.ndarray | None] = field(default_factory=list)  # per draft: the ids q covers (none given: all)
+    # The same q as the compiled acceptance reads them, where a drafter had them so (the one-call MTP
+    # drafts): (q [k, W], q_ids [k, W], counts [k]), draft i's q over q_ids[i, :counts[i]].
+    packed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def through_stop(self, stops) -> Draft:
         """The drafts up to the first stop token, inclusive: a reply ends there, so a row after it
         could never be committed."""
         for i, token in enumerate(self.tokens):
             if token in stops:
-                return Draft(self.tokens[: i + 1], self.q[: i + 1], self.q_ids[: i + 1])
+                packed = None if self.packed is None else tuple(a[: i + 1] for a in self.packed)
+                return Draft(self.tokens[: i + 1], self.q[: i + 1], self.q_ids[: i + 1], packed)
         return self
 
 
@@ -94,19 +98,25 @@ def _accept_in_one_call(rule: str, target: np.ndarray, draft: Draft, sampler: Sa
     twins = compiled_twins()
     if twins is None or type(sampler.rng) is not np.random.Generator or target.dtype != np.float32:
         return None
-    k = len(draft.tokens)
-    qs = [(q, ids) for q, ids in itertools.zip_longest(draft.q[:k], draft.q_ids[:k])]
-    width = max((len(q) for q, _ in qs if q is not None), default=0)
-    q_rows, q_ids, counts = np.zeros((k, width), np.float32), np.zeros((k, width), np.int64), np.full(k, -1, np.int64)
-    for i, (q, ids) in enumerate(qs):  # a q of None stays count -1: one-hot on the draft
-        if q is not None:
-            counts[i] = len(q)
-            q_rows[i, : len(q)] = q
-            q_ids[i, : len(q)] = np.arange(len(q)) if ids is None else ids
+    q_rows, q_ids, counts = draft.packed or _packed_q(draft)
     columns = np.arange(target.shape[1]) if columns is None else np.asarray(columns, np.int64)
     kept, token, lossy = twins.accept_rows(np.ascontiguousarray(target), columns, np.asarray(draft.tokens, np.int64), q_rows,
                                            q_ids, counts, rule == LOSSY, sampler.rng.bit_generator.ctypes.bit_generator.value)
     return Verdict(int(kept), int(token), int(lossy))
+
+
+def _packed_q(draft: Draft) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Draft.packed from the drafts' q lists; a q of None gets count -1: one-hot on its draft."""
+    k = len(draft.tokens)
+    qs = list(itertools.zip_longest(draft.q[:k], draft.q_ids[:k]))
+    width = max((len(q) for q, _ in qs if q is not None), default=0)
+    q_rows, q_ids, counts = np.zeros((k, width), np.float32), np.zeros((k, width), np.int64), np.full(k, -1, np.int64)
+    for i, (q, ids) in enumerate(qs):
+        if q is not None:
+            counts[i] = len(q)
+            q_rows[i, : len(q)] = q
+            q_ids[i, : len(q)] = np.arange(len(q)) if ids is None else ids
+    return q_rows, q_ids, counts
 
 
 def _probability_of(token: int, probs: np.ndarray, ids: np.ndarray | None) -> float:

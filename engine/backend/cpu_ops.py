@@ -464,11 +464,12 @@ class CpuOps:
         return drafts.tolist()
 
     def mtp_sampled_drafts(self, plan: MTPPlan, state: SequenceState, hidden: np.ndarray, k: int, params,
-                           uniforms) -> tuple[list[int], list[np.ndarray], list[np.ndarray]] | None:
+                           uniforms) -> tuple[list[int], list[np.ndarray], list[np.ndarray], tuple] | None:
         """Model.mtp_sampled_drafts in one compiled call (compiled_sampling.mtp_sampled_drafts: per draft
         the kernels of draft_candidates, the warpers, the softmax and the draw, so the same drafts and
-        q), drawing uniforms(k) only then; None where those calls serve: as mtp_greedy_drafts, or
-        sampling with penalties, min-p, or a top-k that keeps the whole shortlist."""
+        q, returned also packed as speculative.Draft.packed), drawing uniforms(k) only then; None where
+        those calls serve: as mtp_greedy_drafts, or sampling with penalties, min-p, or a top-k that keeps
+        the whole shortlist."""
         if (not self._drafts_fit(plan, state, k) or params.greedy or params.penalizes or params.min_p > 0
                 or not 0 < params.top_k < len(plan.draft_ids)):
             return None
@@ -480,7 +481,8 @@ class CpuOps:
                  np.float32(params.temperature), float(params.top_p), uniforms(k), drafts, q, q_ids, counts,
                  *compiled.drafting_scratch(k, plan.draft_rows, head)))
         self._drafted(state, k)
-        return drafts.tolist(), [q[i, :n] for i, n in enumerate(counts)], [q_ids[i, :n] for i, n in enumerate(counts)]
+        return (drafts.tolist(), [q[i, :n] for i, n in enumerate(counts)], [q_ids[i, :n] for i, n in enumerate(counts)],
+                (q, q_ids, counts))
 
     @staticmethod
     def _fits_one_call(plan: MTPPlan, cache, rows: int, attending: int, end: int) -> bool:

@@ -142,9 +142,14 @@ def test_sampled_drafts_in_one_call_are_the_drafters_own(demo, monkeypatch, para
         monkeypatch.setattr(demo, "mtp_plan", None)
         op_calls, op_after = drafts(k, seed)
         assert one_call.tokens == op_calls.tokens and len(one_call.tokens) == k and after == op_after
-        for q, q_ids, want_q, want_ids in zip(one_call.q, one_call.q_ids, op_calls.q, op_calls.q_ids):
+        for i, (q, q_ids, want_q, want_ids) in enumerate(zip(one_call.q, one_call.q_ids, op_calls.q, op_calls.q_ids)):
             np.testing.assert_array_equal(q.view(np.uint32), want_q.view(np.uint32))
             np.testing.assert_array_equal(q_ids, want_ids)
+            if one_call.packed is not None:  # what the compiled acceptance reads: the same q
+                packed_q, packed_ids, counts = one_call.packed
+                np.testing.assert_array_equal(packed_q[i, : counts[i]].view(np.uint32), want_q.view(np.uint32))
+                np.testing.assert_array_equal(packed_ids[i, : counts[i]], want_ids)
+        assert (one_call.packed is not None) == (plan is not None and not params.penalizes)
     if plan is not None:
         assert calls == ([] if params.penalizes else [1, 3, 4, 7])
 

@@ -89,7 +89,9 @@ def test_a_reply_that_ends_on_an_accepted_stop_token_is_held_with_its_row(demo):
 def test_drafts_end_at_a_stop_token():
     draft = Draft([5, 2, 7, 8], [None, None, np.ones(3), None])
     cut = draft.through_stop({0, 2})
-    assert cut.tokens == [5, 2] and cut.q == [None, None]
+    assert cut.tokens == [5, 2] and cut.q == [None, None] and cut.packed is None
+    packed = (np.ones((4, 3), np.float32), np.zeros((4, 3), np.int64), np.full(4, 3))
+    assert [len(a) for a in Draft(draft.tokens, draft.q, [], packed).through_stop({7}).packed] == [3, 3, 3]
     assert draft.through_stop({9}) is draft
 
 
