@@ -301,8 +301,9 @@ class Model:
         """k drafts drawn as engine/speculative.py's MTPDrafter draws them (the draft head's top-k
         candidates, warped by params, a draw from their softmax q), each but the last feeding an MTP
         pass, in one call of the op set where it can (mtp_plan: CpuOps.mtp_sampled_drafts): (the drafts,
-        each one's q, the ids q covers, all q packed as speculative.Draft.packed), or None: the drafter draws them itself. uniforms(n) gives n
-        draws of the sampler's generator, asked for only when the call runs."""
+        each one's q, the ids q covers, all q packed as speculative.Draft.packed), or None: the drafter
+        draws them itself. uniforms(n) gives n draws of the sampler's generator, asked for only when the
+        call runs."""
         if k < 1 or self.mtp_plan is None:
             return None
         return self.ops.mtp_sampled_drafts(self.mtp_plan, state, hidden, k, params, uniforms)

@@ -93,8 +93,8 @@ def _accept_in_one_call(rule: str, target: np.ndarray, draft: Draft, sampler: Sa
     """accept's sampled rules in one compiled call (compiled_sampling.accept_rows): the same verdict
     from the same draws of the sampler's generator, which it leaves as the loop would. None where the
     loop runs: the compiled twins off, or draws from anything but a numpy Generator (the tests'
-    scripted ones). In a sampled demo cycle the loop's ~25 numpy calls took ~70 us, most of it the
-    residual's union of ids."""
+    scripted ones). In a sampled demo cycle the loop's ~25 numpy calls took ~87 us (the residual's
+    union of ids most of it), this ~22 (in the decode loop, timed by wrappers)."""
     twins = compiled_twins()
     if twins is None or type(sampler.rng) is not np.random.Generator or target.dtype != np.float32:
         return None

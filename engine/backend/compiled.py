@@ -379,7 +379,8 @@ if _numba:
         """In compiled code: the next value numpy's Generator.random() would give, drawn from the bit
         generator itself: `bitgen` is the address of its bitgen_t (BitGenerator.ctypes.bit_generator),
         whose fields are pointers, {state, next_uint64, next_uint32, next_double, next_raw}. Calling
-        next_double(state) is what random() does, so the value and the state after are the same."""
+        next_double(state) is what random() does, so the value and the state after are the same. The
+        generator's lock is not taken: a sampler draws from one thread, and holds the generator."""
         if not isinstance(bitgen, _numba.types.Integer):
             return None
 

@@ -315,7 +315,8 @@ def accept_rows(target, columns, drafts, q, q_ids, q_counts, lossy_rule, bitgen)
     draft i's q over q_ids[i, :q_counts[i]] (ascending), one-hot on the draft where q_counts[i] < 0.
     Each row's float32 softmax (softmax_rows), the probabilities read by id, the comparisons in
     float64, the residual and bonus draws as the Python rule makes them, with the same uniforms in the
-    same order from the sampler's own generator (compiled.next_uniform at `bitgen`), so its state after is too."""
+    same order from the sampler's own generator (compiled.next_uniform at `bitgen`), so its state
+    after is too."""
     k, C = drafts.shape[0], columns.shape[0]
     probs = np.empty((1, C), np.float32)
     one = np.ones(1, np.float32)

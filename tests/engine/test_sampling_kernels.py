@@ -140,8 +140,9 @@ def a_verify(rng: np.random.Generator, V: int, k: int, top_k: int, kind: str):
     for i, x in enumerate(drafts):
         if kind == "sparse":
             these = np.union1d(rng.choice(V, size=int(rng.integers(1, 30)), replace=False), [x])
-            weights = rng.random(len(these)).astype(np.float32) * (rng.random(len(these)) < 0.9)
-            q.append((weights / weights.sum()).astype(np.float32) if weights.sum() > 0 else np.ones(len(these), np.float32) / len(these))
+            weights = rng.random(len(these)).astype(np.float32) * (rng.random(len(these)) < 0.9)  # zeros among them
+            weights = weights if weights.sum() > 0 else np.ones(len(these), np.float32)
+            q.append((weights / weights.sum()).astype(np.float32))
             q_ids.append(these)
         elif kind == "whole":  # near the target row's own distribution, with some mass on every id
             weights = np.full(V, 0.1 / V, np.float32)
