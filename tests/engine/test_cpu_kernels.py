@@ -634,11 +634,13 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
         if compiled.bf16_dot_kernels()[0] == "avx512" else []  # MTP passes in one call, alone and as a team; tied table lookups
     kernels += mtp
     drivers = [compiled.parts_driver(kernel) for kernel in kernels[:5]]  # the same kernels split between threads
-    # the sampler's: softmax into float32 (probabilities) and float64 (a pick), draws from either
-    kernels += [compiled_sampling._top_k_columns, compiled_sampling._warp_rows, compiled_sampling.softmax_rows, compiled_sampling._draw_index]
+    # the sampler's: softmax into float32 (probabilities) and float64 (a pick), draws from either; the
+    # sampled acceptance, for drafts with q (MTP's, packed by the kernel or from lists) and without (n-gram)
+    kernels += [compiled_sampling._top_k_columns, compiled_sampling._warp_rows, compiled_sampling.softmax_rows, compiled_sampling._draw_index,
+                compiled_sampling.accept_rows]
     prepared = [len(kernel.signatures) for kernel in kernels + drivers]
     # RowPlanes' scales: f16 bits (Q4_0, Q8_0), fp32 (W4, IQ4_XS) and K-quant codes
-    assert prepared == [3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] + [1] * len(mtp) + [1, 1, 2, 2] + [3, 1, 1, 1, 1]
+    assert prepared == [3, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] + [1] * len(mtp) + [1, 1, 2, 2, 1] + [3, 1, 1, 1, 1]
     models = Path(__file__).parents[2] / "models"
     for path in (models / "demo", models / "demo_int4", models / "demo_gguf" / "demo-q8_0.gguf"):
         lm = load_model(path)
