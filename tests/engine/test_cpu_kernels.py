@@ -14,6 +14,7 @@ prefill; a weight row the same bits however the rows are split between threads.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import subprocess
@@ -578,6 +579,40 @@ def test_the_draft_shortlist_reads_the_heads_own_planes():
             part = CpuOps().shortlist_part(head, matrix, slice(0, stop), "w4a8")
             assert np.shares_memory(part.planes.codes, head.planes.codes) is shared
             np.testing.assert_array_equal(part(x), head(x)[:, :stop])
+
+
+FIRST_RUN = """
+import json
+from duet.engine.backend import compiled, compiled_sampling
+started, start = [], compiled._start_helper
+compiled._start_helper = lambda: started.append(True) or start()
+compiled.compile_kernels(also=[compiled_sampling.warm_up, *compiled_sampling.mtp_drafting_steps()])
+kernels = [value for module in (compiled, compiled_sampling) for value in vars(module).values() if hasattr(value, "stats")]
+helpers = [compiled_sampling.softmax_rows, compiled_sampling.accept_rows] + (
+    [compiled.mtp_rows_team, compiled_sampling.mtp_sampled_drafts_team] if compiled.mtp_kernel_steps() else [])
+print(json.dumps({"helper": bool(started), "mark": (compiled.CACHE_DIR / compiled.COMPILED_MARK).exists(),
+                  "compiled": sum(len(k.stats.cache_misses) for k in kernels),
+                  "helpers compiled": sum(len(k.stats.cache_misses) for k in helpers),
+                  "helpers loaded": sum(len(k.stats.cache_hits) for k in helpers)}))
+"""
+
+
+def test_a_first_run_leaves_the_sampler_and_mtp_kernels_to_a_helper_process(tmp_path):
+    """With an empty kernel cache, compile_kernels hands the sampler's and the MTP passes' kernels to a
+    helper process, which compiles them into the same cache while the run compiles the model's; the run
+    then loads them, compiling none itself, and leaves its mark. The next run starts no helper and
+    compiles nothing: every kernel, the helper's too, loads from the cache."""
+    env = {key: value for key, value in os.environ.items() if key != "NUMBA_CACHE_DIR"} | {"XDG_CACHE_HOME": str(tmp_path)}
+
+    def run() -> dict:
+        out = subprocess.run([sys.executable, "-c", FIRST_RUN], env=env, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    first = run()
+    assert first["helper"] and first["mark"] and first["compiled"] > 0
+    assert first["helpers compiled"] == 0 and first["helpers loaded"] > 0
+    second = run()
+    assert not second["helper"] and second["compiled"] == 0 and second["helpers loaded"] == first["helpers loaded"]
 
 
 def test_a_kernel_calling_another_files_kernel_gets_its_new_code_after_an_upgrade(tmp_path):
