@@ -2754,21 +2754,23 @@ HELPER_SECONDS = 900  # the longest a first run waits for its helper before it c
 
 
 def compile_kernels(report: Callable[[int, int], None] | None = None, model_kernels: bool = True,
-                    also: Sequence[Callable[[], None]] = ()) -> None:
+                    also: Sequence[Callable[[], None]] = (), helper: str | None = None) -> None:
     """Compile every kernel for the argument types the Linears pass (or load it from the disk cache),
     reporting (kernels done, kernels in all) after each. A machine's first run compiles, about a
     second a kernel; later runs load them in milliseconds. Each kernel runs once on a tiny input
     through the same code a model uses, so the types match what the model will pass. model_kernels
     False: only the steps `also` names (kernels of other modules: the sampler's, which every backend runs).
 
-    A first run (no COMPILED_MARK in the cache folder) on two cores or more hands the sampler's and the
-    MTP passes' kernels to a helper process (_compile_helper_steps), which compiles them into the same
-    disk cache while this process compiles the model's; then this one loads them. On 2 cores the demo's
-    first compile took 100 s alone (the model kernels ~52 s, the rest ~48) and 60 s so."""
+    helper: Python code that compiles the kernels of `also` (compiled_sampling.FIRST_RUN_HELPER). A first
+    run (no COMPILED_MARK in the cache folder) on two cores or more runs it in a helper process, which
+    compiles those kernels into the same disk cache while this process compiles the model's; then this
+    one loads them. On 2 cores the demo's first compile took 100 s alone (the model kernels ~52 s, the
+    sampler's and the MTP passes' ~48) and 60 s so."""
     if unavailable():
         return
     steps = (_model_kernel_steps() if model_kernels else []) + list(also)
-    helper = _start_helper() if model_kernels and not (CACHE_DIR / COMPILED_MARK).exists() else None
+    first_run = model_kernels and not (CACHE_DIR / COMPILED_MARK).exists()
+    helper = _start_helper(helper) if helper and first_run else None
     global _SEEN_SPLITS
     _SEEN_SPLITS = seen = []
     try:
@@ -2798,27 +2800,27 @@ def _run_step(step: Callable[[], None], seen: list) -> None:
     seen.clear()
 
 
-def _compile_helper_steps() -> None:
-    """A first run's helper (compile_kernels): the steps a load adds to the model kernels' (the sampler's,
-    the MTP passes'), into the disk cache."""
-    from duet.engine.backend import compiled_sampling  # it imports this module
-
+def run_compile_steps(steps: Sequence[Callable[[], None]]) -> None:
+    """compile_kernels' steps without its report: what a first run's helper process runs."""
     global _SEEN_SPLITS
     _SEEN_SPLITS = seen = []
-    for step in [compiled_sampling.warm_up] + compiled_sampling.mtp_drafting_steps():
-        _run_step(step, seen)
+    try:
+        for step in steps:
+            _run_step(step, seen)
+    finally:
+        _SEEN_SPLITS = None
 
 
-def _start_helper():
-    """The helper process of a first run, or None where one core is all there is (or it cannot start).
-    It inherits NUMBA_CACHE_DIR and NUMBA_CPU_FEATURES (_load_numba set them), so it writes the kernels
-    this process would, where it looks for them."""
+def _start_helper(code: str):
+    """A first run's helper process running `code`, or None where one core is all there is (or it
+    cannot start). It inherits NUMBA_CACHE_DIR and NUMBA_CPU_FEATURES (_load_numba set them), so it
+    writes the kernels this process would, where it looks for them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if cores < 2:
         return None
     try:
-        return subprocess.Popen([sys.executable, "-c", "from duet.engine.backend import compiled; compiled._compile_helper_steps()"],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
     except OSError:
         return None
 

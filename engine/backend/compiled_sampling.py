@@ -393,6 +393,15 @@ def mtp_drafting_steps() -> list:
     return steps + [lambda: mtp_sampled_drafts(*args(), 0, 1), lambda: mtp_sampled_drafts_team(args(), 2)]
 
 
+def compile_first_run_share() -> None:
+    """A first run's helper process (compiled.compile_kernels): the sampler's kernels and the MTP passes',
+    into the disk cache, while the run compiles the model's."""
+    compiled.run_compile_steps([warm_up, *mtp_drafting_steps()])
+
+
+FIRST_RUN_HELPER = "from duet.engine.backend import compiled_sampling; compiled_sampling.compile_first_run_share()"
+
+
 def warm_up() -> None:
     """Compile (or load from the disk cache) each kernel for the argument types the sampler passes."""
     rows = np.array([[1.0, 3.0, -np.inf, 2.0]], np.float32)

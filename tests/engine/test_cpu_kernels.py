@@ -585,8 +585,8 @@ FIRST_RUN = """
 import json
 from duet.engine.backend import compiled, compiled_sampling
 started, start = [], compiled._start_helper
-compiled._start_helper = lambda: started.append(True) or start()
-compiled.compile_kernels(also=[compiled_sampling.warm_up, *compiled_sampling.mtp_drafting_steps()])
+compiled._start_helper = lambda code: started.append(True) or start(code)
+compiled.compile_kernels(also=[compiled_sampling.warm_up, *compiled_sampling.mtp_drafting_steps()], helper=compiled_sampling.FIRST_RUN_HELPER)
 kernels = [value for module in (compiled, compiled_sampling) for value in vars(module).values() if hasattr(value, "stats")]
 helpers = [compiled_sampling.softmax_rows, compiled_sampling.accept_rows] + (
     [compiled.mtp_rows_team, compiled_sampling.mtp_sampled_drafts_team] if compiled.mtp_kernel_steps() else [])
@@ -598,10 +598,10 @@ print(json.dumps({"helper": bool(started), "mark": (compiled.CACHE_DIR / compile
 
 
 def test_a_first_run_leaves_the_sampler_and_mtp_kernels_to_a_helper_process(tmp_path):
-    """With an empty kernel cache, compile_kernels hands the sampler's and the MTP passes' kernels to a
-    helper process, which compiles them into the same cache while the run compiles the model's; the run
-    then loads them, compiling none itself, and leaves its mark. The next run starts no helper and
-    compiles nothing: every kernel, the helper's too, loads from the cache."""
+    """With an empty kernel cache, compile_kernels (as load_model calls it) hands the sampler's and the MTP
+    passes' kernels to a helper process, which compiles them into the same cache while the run compiles
+    the model's; the run then loads them, compiling none itself, and leaves its mark. The next run starts
+    no helper and compiles nothing: every kernel, the helper's too, loads from the cache."""
     env = {key: value for key, value in os.environ.items() if key != "NUMBA_CACHE_DIR"} | {"XDG_CACHE_HOME": str(tmp_path)}
 
     def run() -> dict:
