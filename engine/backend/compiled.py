@@ -2812,11 +2812,12 @@ def run_compile_steps(steps: Sequence[Callable[[], None]]) -> None:
 
 
 def _start_helper(code: str):
-    """A first run's helper process running `code`, or None where one core is all there is (or it
-    cannot start). It inherits NUMBA_CACHE_DIR and NUMBA_CPU_FEATURES (_load_numba set them), so it
-    writes the kernels this process would, where it looks for them."""
+    """A first run's helper process running `code`, or None where one core is all there is, or no
+    interpreter to start (an embedding Python may have no sys.executable), or it cannot start. It
+    inherits NUMBA_CACHE_DIR and NUMBA_CPU_FEATURES (_load_numba set them), so it writes the kernels
+    this process would, where it looks for them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if cores < 2:
+    if cores < 2 or not sys.executable:
         return None
     try:
         return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

@@ -615,6 +615,15 @@ def test_a_first_run_leaves_the_sampler_and_mtp_kernels_to_a_helper_process(tmp_
     assert not second["helper"] and second["compiled"] == 0 and second["helpers loaded"] == first["helpers loaded"]
 
 
+def test_a_first_run_without_an_interpreter_to_start_compiles_alone(monkeypatch):
+    """No helper where none can start (an embedding Python's empty sys.executable, a missing file): the
+    run compiles everything itself."""
+    monkeypatch.setattr(sys, "executable", "")
+    assert compiled._start_helper("pass") is None
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    assert compiled._start_helper("pass") is None
+
+
 def test_a_kernel_calling_another_files_kernel_gets_its_new_code_after_an_upgrade(tmp_path):
     """numba checks a cached kernel against its own source file alone: after the file a kernel calls
     into changes, the caller's cached machine code still holds the callee's old code (as
