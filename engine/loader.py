@@ -132,7 +132,7 @@ def load_model(path: str | Path, progress: Callable[[LoadProgress], None] | None
     # and its MTP passes' in one call where it has their plan
     compiled.compile_kernels(progress and (lambda done, total: progress(LoadProgress(done, total, LoadProgress.KERNELS))),
                              model_kernels=chosen_backend == "cpu" or on_card is not None,
-                             also=[compiled_sampling.warm_up] + (compiled_sampling.mtp_drafting_steps() if model.mtp_plan is not None else []),
+                             also=compiled_sampling.host_steps(model.mtp_plan is not None),
                              helper=compiled_sampling.FIRST_RUN_HELPER)
     lm = LoadedModel(opened.name, opened.location, opened.config, model,
                      opened.tokenizer, route=chosen, routes=opened.routes,

@@ -2770,25 +2770,34 @@ def compile_kernels(report: Callable[[int, int], None] | None = None, model_kern
         return
     steps = (_model_kernel_steps() if model_kernels else []) + list(also)
     first_run = model_kernels and not (CACHE_DIR / COMPILED_MARK).exists()
-    helper = _start_helper(helper) if helper and first_run else None
-    global _SEEN_SPLITS
-    _SEEN_SPLITS = seen = []
+    process = _start_helper(helper) if helper and first_run else None
     try:
-        for done, step in enumerate(steps, 1):
-            if helper is not None and done > len(steps) - len(also):  # the helper's kernels: load what it wrote
-                _wait_for(helper)
-                helper = None
-            _run_step(step, seen)
-            if report:
-                report(done, len(steps))
+        with _seeing_splits() as seen:
+            for done, step in enumerate(steps, 1):
+                if process is not None and done > len(steps) - len(also):  # the helper's kernels: load what it wrote
+                    _wait_for(process)
+                    process = None
+                _run_step(step, seen)
+                if report:
+                    report(done, len(steps))
     finally:
-        _SEEN_SPLITS = None
-        if helper is not None:
-            helper.kill()
-            helper.wait()
+        if process is not None:
+            process.kill()
+            process.wait()
     if model_kernels:
         with contextlib.suppress(OSError):  # a cache folder that could not be made: no mark, no error
             (CACHE_DIR / COMPILED_MARK).touch()
+
+
+@contextlib.contextmanager
+def _seeing_splits():
+    """While compile steps run: the list split_kernel notes each split in (_SEEN_SPLITS)."""
+    global _SEEN_SPLITS
+    _SEEN_SPLITS = seen = []
+    try:
+        yield seen
+    finally:
+        _SEEN_SPLITS = None
 
 
 def _run_step(step: Callable[[], None], seen: list) -> None:
@@ -2802,13 +2811,9 @@ def _run_step(step: Callable[[], None], seen: list) -> None:
 
 def run_compile_steps(steps: Sequence[Callable[[], None]]) -> None:
     """compile_kernels' steps without its report: what a first run's helper process runs."""
-    global _SEEN_SPLITS
-    _SEEN_SPLITS = seen = []
-    try:
+    with _seeing_splits() as seen:
         for step in steps:
             _run_step(step, seen)
-    finally:
-        _SEEN_SPLITS = None
 
 
 def _start_helper(code: str):

@@ -319,7 +319,6 @@ def accept_rows(target, columns, drafts, q, q_ids, q_counts, lossy_rule, bitgen)
     after is too."""
     k, C = drafts.shape[0], columns.shape[0]
     probs = np.empty((1, C), np.float32)
-    one = np.ones(1, np.float32)
     lossy = 0
     for i in range(k):
         softmax_rows(target[i : i + 1], probs)
@@ -330,7 +329,7 @@ def accept_rows(target, columns, drafts, q, q_ids, q_counts, lossy_rule, bitgen)
         if compiled.next_uniform(bitgen) * q_x < p_x:  # u < p(x) / q(x) without dividing
             continue
         if n < 0:
-            r = _residual_draw(probs[0], columns, one, drafts[i : i + 1], compiled.next_uniform(bitgen))
+            r = _residual_draw(probs[0], columns, np.ones(1, np.float32), drafts[i : i + 1], compiled.next_uniform(bitgen))
         else:
             r = _residual_draw(probs[0], columns, q[i, :n], q_ids[i, :n], compiled.next_uniform(bitgen))
         if lossy_rule and p_x >= _probability_at(r, probs[0], columns):
@@ -393,10 +392,16 @@ def mtp_drafting_steps() -> list:
     return steps + [lambda: mtp_sampled_drafts(*args(), 0, 1), lambda: mtp_sampled_drafts_team(args(), 2)]
 
 
+def host_steps(mtp_plan: bool) -> list:
+    """compiled.compile_kernels' steps beside the model kernels (its `also`): the sampler's, which every
+    backend runs on the host, and for a model with an MTP plan its one-call passes' (mtp_drafting_steps)."""
+    return [warm_up, *(mtp_drafting_steps() if mtp_plan else [])]
+
+
 def compile_first_run_share() -> None:
     """A first run's helper process (compiled.compile_kernels): the sampler's kernels and the MTP passes',
     into the disk cache, while the run compiles the model's."""
-    compiled.run_compile_steps([warm_up, *mtp_drafting_steps()])
+    compiled.run_compile_steps(host_steps(mtp_plan=True))
 
 
 FIRST_RUN_HELPER = "from duet.engine.backend import compiled_sampling; compiled_sampling.compile_first_run_share()"

@@ -586,7 +586,7 @@ import json
 from duet.engine.backend import compiled, compiled_sampling
 started, start = [], compiled._start_helper
 compiled._start_helper = lambda code: started.append(True) or start(code)
-compiled.compile_kernels(also=[compiled_sampling.warm_up, *compiled_sampling.mtp_drafting_steps()], helper=compiled_sampling.FIRST_RUN_HELPER)
+compiled.compile_kernels(also=compiled_sampling.host_steps(mtp_plan=True), helper=compiled_sampling.FIRST_RUN_HELPER)
 kernels = [value for module in (compiled, compiled_sampling) for value in vars(module).values() if hasattr(value, "stats")]
 helpers = [compiled_sampling.softmax_rows, compiled_sampling.accept_rows] + (
     [compiled.mtp_rows_team, compiled_sampling.mtp_sampled_drafts_team] if compiled.mtp_kernel_steps() else [])
@@ -665,7 +665,7 @@ def test_compile_kernels_reports_each_and_covers_what_models_pass():
     from duet.engine import GenerateOptions, KVCache, SamplingParams, generate, load_model
 
     reports = []
-    compiled.compile_kernels(lambda done, total: reports.append((done, total)), also=[compiled_sampling.warm_up, *compiled_sampling.mtp_drafting_steps()])
+    compiled.compile_kernels(lambda done, total: reports.append((done, total)), also=compiled_sampling.host_steps(mtp_plan=True))
     assert reports == [(i, len(reports)) for i in range(1, len(reports) + 1)] and len(reports) >= 5
     w4a8 = [compiled._w4a8_rows, compiled._w4a8_byte_quads] if compiled.int8_dot_kernels()[0] != "generic" else \
         [compiled._w4a8_rows_loops, compiled._w4a8_bytes]
